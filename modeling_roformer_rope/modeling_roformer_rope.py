@@ -1,0 +1,748 @@
+"""RoFormer (Su et al., 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding") for transformers v5.
+
+One post-norm BERT-style encoder with rotary self-attention (paper eq. 34), shared by RoFormer v1,
+RoFormerV2 (parameter-free RMS norm, no biases), RoFormer-Sim (UniLM mask + pooler) and RoFormer-GPT
+(causal LM with a KV cache). Attention runs through the transformers attention interface
+(`eager`, `sdpa` default, `flash_attention_*`, `flex_attention`).
+
+Shipped next to every checkpoint for `trust_remote_code`: imports only transformers / torch and
+`from .sibling import X`.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, auto_docstring, logging
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_roformer_rope import RoFormerRopeConfig
+from .rotary_roformer_rope import (
+    RoFormerRopeRotaryEmbedding,
+    apply_rotary,
+    apply_rotary_interleaved,
+    rotary_inv_freq,
+)
+
+logger = logging.get_logger(__name__)
+
+
+class RoFormerRopeRMSNorm(nn.Module):
+    """RoFormerV2's norm: x / sqrt(mean(x²) + eps), no learnable scale or shift, computed in float32."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.to(hidden_states.dtype)
+
+
+def make_norm(config: RoFormerRopeConfig, dim: int) -> nn.Module:
+    if config.norm_type == "rms_norm":
+        return RoFormerRopeRMSNorm(config.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps)
+
+
+def unilm_mask_function(token_type_ids: torch.Tensor) -> Callable:
+    """UniLM (RoFormer-Sim): query i sees key j iff cumsum(token_type_ids)[j] <= cumsum(token_type_ids)[i].
+
+    Bidirectional inside segment 0, causal over segment 1. The returned function follows the
+    transformers mask-function protocol (batch, head, q_idx, kv_idx) -> bool.
+    """
+    segment_rank = token_type_ids.cumsum(dim=-1)  # (B, T)
+
+    def mask(batch_idx, head_idx, q_idx, kv_idx):
+        return segment_rank[batch_idx, kv_idx] <= segment_rank[batch_idx, q_idx]
+
+    return mask
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scaling + mask) v; softmax in float32 so fp16/bf16 rows never overflow."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
+
+
+class RoFormerRopeEmbeddings(nn.Module):
+    """Word + segment embeddings, then norm and dropout. No position embeddings: RoPE carries positions."""
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.embedding_size, padding_idx=config.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.embedding_size)
+        self.norm = make_norm(config, config.embedding_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)  # (B, T, E)
+        if token_type_ids is None:
+            # All-zero segments: add row 0 by broadcasting instead of gathering B·T copies of it.
+            embeddings = inputs_embeds + self.token_type_embeddings.weight[0]
+        else:
+            embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.norm(embeddings))
+
+
+class RoFormerRopeSelfAttention(nn.Module):
+    """Multi-head self-attention with rotary queries/keys (and values when `rotary_value`).
+
+    One fused QKV projection (a single GEMM instead of three); rotary via `apply_rotary`, whose
+    de-interleaved output layout is shared by queries, keys and the KV cache.
+    """
+
+    def __init__(self, config: RoFormerRopeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.rotary_value = config.rotary_value
+        # SDPA reads this flag: an encoder (and the UniLM mask, always materialised) must not be causal.
+        self.is_causal = bool(config.is_decoder)
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.use_bias)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.use_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, _ = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, D) strided views
+
+        cos, sin = position_embeddings
+        query = apply_rotary(query, cos, sin)  # (B, H, T, D), de-interleaved
+        key = apply_rotary(key, cos, sin)
+        if self.rotary_value:
+            value = apply_rotary_interleaved(value, cos, sin)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(B, T, -1)  # (B, T, H·D)
+        return self.o_proj(attn_output), attn_weights
+
+
+class RoFormerRopeMLP(nn.Module):
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.use_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.use_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+
+
+class RoFormerRopeLayer(GradientCheckpointingLayer):
+    """Post-norm block (BERT layout, as the original): x = norm(x + attn(x)); x = norm(x + mlp(x))."""
+
+    def __init__(self, config: RoFormerRopeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attention = RoFormerRopeSelfAttention(config, layer_idx)
+        self.attention_norm = make_norm(config, config.hidden_size)
+        self.mlp = RoFormerRopeMLP(config)
+        self.mlp_norm = make_norm(config, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_output, _ = self.attention(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = self.attention_norm(hidden_states + self.dropout(attn_output))
+        return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+
+
+class RoFormerRopePooler(nn.Module):
+    """Dense layer on the [CLS] state (RoFormer-Sim uses a linear activation, BERT tanh)."""
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.use_bias)
+        self.activation = nn.Identity() if config.pooler_activation == "linear" else ACT2FN[config.pooler_activation]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden_states[:, 0]))
+
+
+@auto_docstring
+class RoFormerRopePreTrainedModel(PreTrainedModel):
+    config: RoFormerRopeConfig
+    base_model_prefix = "roformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RoFormerRopeEmbeddings", "RoFormerRopeLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": RoFormerRopeLayer,
+        "attentions": RoFormerRopeSelfAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, RoFormerRopeRotaryEmbedding):
+            # A non-persistent buffer: recompute it, models are first built on the meta device.
+            init.copy_(module.inv_freq, rotary_inv_freq(module.head_dim, module.base))
+        elif isinstance(module, RoFormerRopeLMHead) and module.decoder.bias is not None:
+            init.zeros_(module.decoder.bias)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # `custom_object_save` only records the saved class; write the whole family so that every Auto class
+        # loads the folder with trust_remote_code.
+        self.config.auto_map = {**(self.config.auto_map or {}), **AUTO_MAP}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+@auto_docstring(
+    custom_intro="""
+    The bare RoFormer encoder (or decoder, with `is_decoder=True`) outputting hidden states, plus the pooled
+    [CLS] state when `add_pooler=True`.
+    """
+)
+class RoFormerRopeModel(RoFormerRopePreTrainedModel):
+    def __init__(self, config: RoFormerRopeConfig, add_pooling_layer: bool | None = None) -> None:
+        r"""
+        add_pooling_layer (`bool`, *optional*):
+            Whether to build the [CLS] pooler; defaults to `config.add_pooler`.
+        """
+        super().__init__(config)
+        self.embeddings = RoFormerRopeEmbeddings(config)
+        if config.embedding_size != config.hidden_size:
+            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size, bias=config.use_bias)
+        self.rotary_emb = RoFormerRopeRotaryEmbedding(config)
+        self.layers = nn.ModuleList([RoFormerRopeLayer(config, i) for i in range(config.num_hidden_layers)])
+        add_pooling_layer = config.add_pooler if add_pooling_layer is None else add_pooling_layer
+        self.pooler = RoFormerRopePooler(config) if add_pooling_layer else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def _attention_mask(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        past_key_values: Cache | None,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Build the mask once per forward, in the form the attention backend wants."""
+        if self.config.is_decoder:
+            return create_causal_mask(
+                config=self.config,
+                inputs_embeds=hidden_states,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+        and_mask = None
+        if self.config.unilm_mask and token_type_ids is not None:
+            if past_key_values is not None and past_key_values.get_seq_length() > 0:
+                raise ValueError("unilm_mask does not support a KV cache: pass the whole sequence")
+            and_mask = unilm_mask_function(token_type_ids)
+        return create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            and_mask_function=and_mask,
+        )
+
+    @merge_with_config_defaults
+    @capture_outputs
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(shape)}")
+        if token_type_ids is not None and token_type_ids.shape != shape:
+            raise ValueError(
+                f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input shape {tuple(shape)}"
+            )
+
+        if not self.config.is_decoder:
+            use_cache = False
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        hidden_states = self.embeddings(input_ids, token_type_ids, inputs_embeds)  # (B, T, E)
+        if hasattr(self, "embeddings_project"):
+            hidden_states = self.embeddings_project(hidden_states)  # (B, T, C)
+
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen
+            position_ids = position_ids.unsqueeze(0)  # (1, T)
+        position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
+
+        mask = self._attention_mask(hidden_states, attention_mask, token_type_ids, past_key_values, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+class RoFormerRopeLMHead(nn.Module):
+    """MLM / LM head. v1: dense → act → LayerNorm → tied decoder + bias. V2: tied decoder only."""
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__()
+        if config.has_mlm_transform:
+            self.dense = nn.Linear(config.hidden_size, config.embedding_size, bias=config.use_bias)
+            self.act_fn = ACT2FN[config.hidden_act]
+            self.norm = make_norm(config, config.embedding_size)
+        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.use_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "dense"):
+            hidden_states = self.norm(self.act_fn(self.dense(hidden_states)))
+        return self.decoder(hidden_states)
+
+
+_LM_TIED_WEIGHTS = {"lm_head.decoder.weight": "roformer.embeddings.word_embeddings.weight"}
+
+
+@auto_docstring
+class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
+    _tied_weights_keys = _LM_TIED_WEIGHTS
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__(config)
+        if config.is_decoder:
+            logger.warning("RoFormerRopeForMaskedLM expects config.is_decoder=False for bidirectional attention.")
+        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.lm_head = RoFormerRopeLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MaskedLMOutput:
+        outputs = self.roformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size).float(), labels.view(-1))
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+@auto_docstring(custom_intro="RoFormer with a language-modeling head for causal generation (RoFormer-GPT).")
+class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
+    _tied_weights_keys = _LM_TIED_WEIGHTS
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__(config)
+        if not config.is_decoder:
+            logger.warning("RoFormerRopeForCausalLM expects config.is_decoder=True for causal attention.")
+        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.lm_head = RoFormerRopeLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithCrossAttentions:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Next-token labels; shifted inside the loss, -100 is ignored.
+        """
+        outputs = self.roformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])  # (B, T_kept, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithCrossAttentions(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class RoFormerRopeClassificationHead(nn.Module):
+    """[CLS] → dropout → dense → act → dropout → out_proj (the built-in RoFormer's layout)."""
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__()
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(hidden_states[:, 0])  # (B, C): the [CLS] token
+        x = self.dropout(self.act_fn(self.dense(x)))
+        return self.out_proj(x)  # (B, num_labels)
+
+
+def sequence_classification_loss(config: RoFormerRopeConfig, logits: torch.Tensor, labels: torch.Tensor):
+    """Regression (MSE), single-label (cross-entropy) or multi-label (BCE), chosen as transformers does."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif config.num_labels > 1 and labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return MSELoss()(logits.squeeze(-1).float(), labels.squeeze(-1).float())
+    if config.problem_type == "single_label_classification":
+        return CrossEntropyLoss()(logits.view(-1, config.num_labels).float(), labels.view(-1))
+    return BCEWithLogitsLoss()(logits.float(), labels.float())
+
+
+@auto_docstring(custom_intro="RoFormer with a [CLS] classification / regression head.")
+class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.classifier = RoFormerRopeClassificationHead(config)
+        self.post_init()
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput:
+        outputs = self.roformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        logits = self.classifier(outputs.last_hidden_state)
+        loss = sequence_classification_loss(self.config, logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+@auto_docstring(custom_intro="RoFormer with a per-token classification head (NER, POS tagging).")
+class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        outputs = self.roformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels).float(), labels.view(-1))
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+@auto_docstring(custom_intro="RoFormer with a span-extraction head (start/end logits) for extractive QA.")
+class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__(config)
+        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self.roformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # 2 × (B, T)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # Positions outside the sequence are clamped to T and ignored, as in BERT.
+            ignored = start_logits.size(1)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored)
+            start = start_positions.view(-1).clamp(0, ignored)
+            end = end_positions.view(-1).clamp(0, ignored)
+            loss = (loss_fct(start_logits.float(), start) + loss_fct(end_logits.float(), end)) / 2
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+@auto_docstring(custom_intro="RoFormer scoring each of several choices (input shape (batch, num_choices, seq_len)).")
+class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__(config)
+        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MultipleChoiceModelOutput:
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source is None or source.dim() < 3:
+            raise ValueError("RoFormerRopeForMultipleChoice expects inputs of shape (batch, num_choices, seq_len)")
+        num_choices = source.shape[1]
+
+        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+            # (B, N, T, ...) → (B·N, T, ...): every choice is an independent sequence.
+            return None if t is None else t.reshape(-1, *t.shape[2:])
+
+        outputs = self.roformer(
+            flat(input_ids),
+            attention_mask=flat(attention_mask),
+            token_type_ids=flat(token_type_ids),
+            position_ids=flat(position_ids),
+            inputs_embeds=flat(inputs_embeds),
+            **kwargs,
+        )
+        index = 0 if self.config.summary_type == "first" else -1
+        summary = outputs.last_hidden_state[:, index]  # (B·N, C)
+        logits = self.classifier(self.dropout(summary)).view(-1, num_choices)  # (B, N)
+        loss = CrossEntropyLoss()(logits.float(), labels) if labels is not None else None
+        return MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+AUTO_CLASSES = {
+    "AutoModel": RoFormerRopeModel,
+    "AutoModelForMaskedLM": RoFormerRopeForMaskedLM,
+    "AutoModelForCausalLM": RoFormerRopeForCausalLM,
+    "AutoModelForSequenceClassification": RoFormerRopeForSequenceClassification,
+    "AutoModelForTokenClassification": RoFormerRopeForTokenClassification,
+    "AutoModelForQuestionAnswering": RoFormerRopeForQuestionAnswering,
+    "AutoModelForMultipleChoice": RoFormerRopeForMultipleChoice,
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_roformer_rope.RoFormerRopeConfig",
+    **{auto: f"modeling_roformer_rope.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()},
+}
+RoFormerRopeConfig.register_for_auto_class()
+for _auto, _cls in AUTO_CLASSES.items():
+    _cls.register_for_auto_class(_auto)
+
+__all__ = [
+    "AUTO_MAP",
+    "RoFormerRopeForCausalLM",
+    "RoFormerRopeForMaskedLM",
+    "RoFormerRopeForMultipleChoice",
+    "RoFormerRopeForQuestionAnswering",
+    "RoFormerRopeForSequenceClassification",
+    "RoFormerRopeForTokenClassification",
+    "RoFormerRopeModel",
+    "RoFormerRopePreTrainedModel",
+]
