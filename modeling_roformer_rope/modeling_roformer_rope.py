@@ -266,7 +266,7 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         # `custom_object_save` only records the saved class; write the whole family so that every Auto class
         # loads the folder with trust_remote_code.
-        self.config.auto_map = {**(self.config.auto_map or {}), **AUTO_MAP}
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny configs and randomised built-in RoFormer models (the independent oracle)."""
+
+import pytest
+import torch
+import transformers
+
+import modeling_roformer_rope as rr
+
+TINY = dict(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
+def tiny_config(**overrides) -> rr.RoFormerRopeConfig:
+    return rr.RoFormerRopeConfig(**{**TINY, **overrides})
+
+
+@torch.no_grad()
+def randomise_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Non-trivial norm gains and biases, so a mapping mistake on them cannot hide behind ones/zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "LayerNorm" in name or ".norm." in name or name.endswith("_norm.weight") or name.endswith("_norm.bias"):
+            center = 1.0 if name.endswith("weight") else 0.0
+            param.copy_(center + 0.2 * torch.randn(param.shape, generator=generator))
+        elif name.endswith("bias"):
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def builtin_model(class_name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random built-in transformers `RoFormer*` model (eager, its only backend)."""
+    torch.manual_seed(seed)
+    fields = {**TINY, "num_labels": 3, **overrides}
+    if class_name == "RoFormerForCausalLM":
+        fields.setdefault("is_decoder", True)
+    config = transformers.RoFormerConfig(**fields)
+    return randomise_(getattr(transformers, class_name)(config).eval(), seed)
+
+
+def padded_batch(vocab_size: int = 99, batch: int = 2, seq_len: int = 12, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (batch, seq_len), generator=generator)
+    attention_mask = torch.ones(batch, seq_len, dtype=torch.long)
+    attention_mask[-1, seq_len // 2 :] = 0
+    input_ids[attention_mask == 0] = 0
+    token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    token_type_ids[:, seq_len // 3 :] = 1
+    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config

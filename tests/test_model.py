@@ -1,0 +1,238 @@
+"""Model behaviour: backends agree, masks, KV cache, long inputs, V2/Sim variants, bad configs."""
+
+import pytest
+import torch
+from conftest import padded_batch, randomise_, tiny_config
+
+import modeling_roformer_rope as rr
+from modeling_roformer_rope.modeling_roformer_rope import RoFormerRopeRMSNorm
+
+
+def model_of(cls=rr.RoFormerRopeModel, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return randomise_(cls(tiny_config(**overrides)).eval(), seed)
+
+
+def run(model, attn: str, **inputs):
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        return model(**inputs)
+
+
+BACKENDS = ["sdpa", "flex_attention"]
+
+
+@pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"is_decoder": True}, {"unilm_mask": True}, {"rotary_value": True}, {"norm_type": "rms_norm", "use_bias": False}],
+    ids=["encoder", "decoder", "unilm", "rotary_value", "v2"],
+)
+def test_backends_equal_eager(variant, attn):
+    model = model_of(**variant)
+    batch = padded_batch()
+    expected = run(model, "eager", **batch).last_hidden_state
+    actual = run(model, attn, **batch).last_hidden_state
+    valid = batch["attention_mask"].bool()  # padded query rows are don't-care
+    torch.testing.assert_close(actual[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+def naive_attention_probs(model, batch, mask_rule):
+    """Recompute layer 0's attention probabilities from its weights with an explicit boolean mask."""
+    emb = model.embeddings(batch["input_ids"], batch["token_type_ids"])
+    attn = model.layers[0].attention
+    B, T, C = emb.shape
+    q, k, _ = attn.qkv(emb).view(B, T, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    cos, sin = model.rotary_emb(torch.arange(T)[None], emb.dtype)
+    from modeling_roformer_rope.rotary_roformer_rope import apply_rotary
+
+    scores = apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).transpose(-1, -2) * attn.scaling
+    allowed = mask_rule(batch)  # (B, T, T) bool
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return scores.softmax(-1)
+
+
+def test_unilm_mask_follows_segment_cumsum_rule():
+    model = model_of(unilm_mask=True)
+    batch = padded_batch()
+
+    def rule(b):
+        rank = b["token_type_ids"].cumsum(-1)
+        seen = rank[:, None, :] <= rank[:, :, None]  # (B, Tq, Tk): key rank <= query rank
+        return seen & b["attention_mask"].bool()[:, None, :]
+
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        probs = model(**batch, output_attentions=True).attentions[0]
+        expected = naive_attention_probs(model, batch, rule)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(probs[valid.nonzero(as_tuple=True)[0], :, valid.nonzero(as_tuple=True)[1]],
+                               expected[valid.nonzero(as_tuple=True)[0], :, valid.nonzero(as_tuple=True)[1]],
+                               atol=1e-6, rtol=1e-5)
+    # Segment-0 queries never see segment-1 keys; segment-1 queries see everything before them.
+    first_seg1 = int((batch["token_type_ids"][0] == 1).nonzero()[0])
+    assert probs[0, :, :first_seg1, first_seg1:].abs().max() == 0
+    assert probs[0, :, first_seg1 + 1, : first_seg1 + 1].min() > 0
+
+
+def test_decoder_is_causal():
+    model = model_of(is_decoder=True)
+    batch = padded_batch()
+    full = run(model, "sdpa", **batch).last_hidden_state
+    prefix = {k: v[:, :5] for k, v in batch.items()}
+    torch.testing.assert_close(run(model, "sdpa", **prefix).last_hidden_state, full[:, :5], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_kv_cache_matches_full_forward(attn):
+    model = model_of(rr.RoFormerRopeForCausalLM, is_decoder=True)
+    model.set_attn_implementation(attn)
+    ids = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :6], use_cache=True)
+        cache = first.past_key_values
+        assert cache.get_seq_length() == 6
+        step = model(ids[:, 6:], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(step.logits, full[:, 6:], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_generate_same_with_and_without_cache():
+    model = model_of(rr.RoFormerRopeForCausalLM, is_decoder=True)
+    prompt = torch.randint(1, 99, (1, 4), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    without = model.generate(prompt, use_cache=False, **kwargs)
+    assert with_cache.shape == (1, 34) and torch.equal(with_cache, without)
+
+
+def test_explicit_position_ids_shift_is_invisible_to_an_encoder():
+    """RoPE is relative: shifting all positions by a constant leaves encoder outputs unchanged."""
+    model = model_of()
+    with torch.no_grad():  # peaked attention, so positions visibly matter
+        for layer in model.layers:
+            layer.attention.qkv.weight.mul_(20)
+    batch = padded_batch()
+    T = batch["input_ids"].shape[1]
+    base = run(model, "sdpa", **batch).last_hidden_state
+    shifted = run(model, "sdpa", **batch, position_ids=torch.arange(100, 100 + T)[None]).last_hidden_state
+    torch.testing.assert_close(shifted, base, atol=2e-4, rtol=1e-4)
+    reversed_positions = run(model, "sdpa", **batch, position_ids=torch.arange(T).flip(0)[None]).last_hidden_state
+    assert (reversed_positions - base).abs().max() > 1e-2
+
+
+def test_long_sequence_4096_runs_past_max_position_embeddings():
+    model = model_of(rr.RoFormerRopeForMaskedLM)  # max_position_embeddings = 64
+    ids = torch.randint(1, 99, (1, 4096), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 4096, 99) and torch.isfinite(logits).all()
+    # Token 0's output in a long sequence equals an eager recomputation on the same input (no table limit).
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(ids[:, :1024]).logits
+        model.set_attn_implementation("sdpa")
+        sdpa = model(ids[:, :1024]).logits
+    torch.testing.assert_close(sdpa, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_low_precision_fully_masked_rows_are_finite(dtype, attn):
+    model = model_of(rr.RoFormerRopeForMaskedLM).to(dtype)
+    batch = padded_batch()
+    batch["attention_mask"][0] = 0  # a row with every key masked
+    out = run(model, attn, **batch).logits
+    assert torch.isfinite(out).all()
+    fp32 = run(model_of(rr.RoFormerRopeForMaskedLM), attn, **batch).logits
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(out.float()[valid], fp32[valid], atol=0.15, rtol=0.05)
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    def grads(checkpointing: bool):
+        model = model_of(rr.RoFormerRopeForMaskedLM)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        batch = padded_batch()
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        model(**batch, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_roformer_v2_layout():
+    model = model_of(rr.RoFormerRopeForMaskedLM, norm_type="rms_norm", use_bias=False, hidden_act="relu")
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.endswith("bias") for n in names), names
+    assert not any("norm" in n for n in names), names  # parameter-free norms
+    assert not hasattr(model.lm_head, "dense")  # MLM head = tied embedding only
+    assert model.lm_head.decoder.weight is model.roformer.embeddings.word_embeddings.weight
+    assert model.config.layer_norm_eps == 1e-7
+    x = torch.randn(2, 3, 32)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-7)
+    torch.testing.assert_close(RoFormerRopeRMSNorm(1e-7)(x), expected)
+    batch = padded_batch()
+    with torch.no_grad():
+        hidden = model.roformer(**batch).last_hidden_state
+        logits = model(**batch).logits
+    torch.testing.assert_close(logits, hidden @ model.roformer.embeddings.word_embeddings.weight.T)
+
+
+def test_pooler_linear_and_tanh():
+    for activation in ("linear", "tanh"):
+        model = model_of(add_pooler=True, pooler_activation=activation)
+        with torch.no_grad():
+            out = model(**padded_batch())
+        dense = model.pooler.dense(out.last_hidden_state[:, 0])
+        expected = dense if activation == "linear" else torch.tanh(dense)
+        torch.testing.assert_close(out.pooler_output, expected)
+
+
+def test_sequence_classification_problem_types():
+    batch = padded_batch()
+    model = model_of(rr.RoFormerRopeForSequenceClassification, num_labels=3)
+    logits = model(**batch).logits
+    out = model(**batch, labels=torch.tensor([0, 2]))
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(logits, torch.tensor([0, 2])))
+    multi = model_of(rr.RoFormerRopeForSequenceClassification, num_labels=3)
+    targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    loss = multi(**batch, labels=targets).loss
+    torch.testing.assert_close(loss, torch.nn.functional.binary_cross_entropy_with_logits(multi(**batch).logits, targets))
+    reg = model_of(rr.RoFormerRopeForSequenceClassification, num_labels=1)
+    y = torch.tensor([0.5, -1.0])
+    torch.testing.assert_close(reg(**batch, labels=y).loss, torch.nn.functional.mse_loss(reg(**batch).logits.squeeze(-1), y))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"hidden_size": 30, "num_attention_heads": 4}, "multiple of num_attention_heads"),
+        ({"hidden_size": 36, "num_attention_heads": 4}, "must be even"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_scaling type"),
+        ({"rope_scaling": {"type": "linear", "factor": 0.5}}, "factor must be a number >= 1"),
+        ({"unilm_mask": True, "is_decoder": True}, "exclusive"),
+        ({"attention_type": "sparse"}, "attention_type"),
+        ({"norm_type": "rms_norm", "embedding_size": 16}, "no embedding-to-hidden mapping"),
+        ({"hidden_dropout_prob": 1.5}, "hidden_dropout_prob"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+    ],
+)
+def test_bad_configs_raise(overrides, message):
+    with pytest.raises(Exception, match=message):
+        tiny_config(**overrides)
+
+
+def test_bad_inputs_raise_clearly():
+    model = model_of()
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model()
+    with pytest.raises(ValueError, match="token_type_ids shape"):
+        model(torch.ones(2, 5, dtype=torch.long), token_type_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(batch, seq_len\)"):
+        model(torch.ones(5, dtype=torch.long))

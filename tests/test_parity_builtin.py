@@ -1,0 +1,122 @@
+"""Converted built-in transformers RoFormer models must give the built-in's outputs (atol 1e-5)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import builtin_model, padded_batch
+
+from roformer_rope.conversion.from_transformers import (
+    ConversionError,
+    convert_folder,
+    convert_model,
+    convert_state_dict,
+)
+
+HEADS = [
+    "RoFormerModel",
+    "RoFormerForMaskedLM",
+    "RoFormerForCausalLM",
+    "RoFormerForSequenceClassification",
+    "RoFormerForTokenClassification",
+    "RoFormerForQuestionAnswering",
+    "RoFormerForMultipleChoice",
+]
+OUTPUT_KEYS = ("last_hidden_state", "logits", "start_logits", "end_logits")
+
+
+def inputs_for(class_name: str) -> dict:
+    batch = padded_batch()
+    if class_name == "RoFormerForMultipleChoice":  # (B, N, T): three choices per example
+        batch = {k: torch.stack([v, v.roll(1, dims=1), v.flip(0)], dim=1) for k, v in batch.items()}
+    return batch
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("embedding_size", [None, 16])
+@pytest.mark.parametrize("rotary_value", [False, True])
+@pytest.mark.parametrize("class_name", HEADS)
+def test_every_head_matches_builtin(class_name, rotary_value, embedding_size, attn):
+    builtin = builtin_model(class_name, rotary_value=rotary_value, embedding_size=embedding_size)
+    ours = convert_model(builtin)
+    ours.set_attn_implementation(attn)
+    inputs = inputs_for(class_name)
+    with torch.no_grad():
+        expected, actual = builtin(**inputs), ours(**inputs)
+    compared = 0
+    for key in OUTPUT_KEYS:
+        if expected.get(key) is not None:
+            torch.testing.assert_close(actual[key], expected[key], atol=1e-5, rtol=1e-5)
+            compared += 1
+    assert compared >= 1
+
+
+def test_hidden_states_and_attentions_match_builtin():
+    builtin = builtin_model("RoFormerModel")
+    ours = convert_model(builtin)
+    ours.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = builtin(**padded_batch(), output_hidden_states=True, output_attentions=True)
+        actual = ours(**padded_batch(), output_hidden_states=True, output_attentions=True)
+    assert len(actual.hidden_states) == len(expected.hidden_states) == 3
+    for a, b in zip(actual.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(actual.attentions, expected.attentions):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_generation_matches_builtin(attn):
+    builtin = builtin_model("RoFormerForCausalLM", max_position_embeddings=128)
+    ours = convert_model(builtin)
+    ours.set_attn_implementation(attn)
+    prompt = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = builtin.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    for use_cache in (True, False):
+        actual = ours.generate(prompt, attention_mask=torch.ones_like(prompt), use_cache=use_cache, **kwargs)
+        assert torch.equal(actual, expected), f"use_cache={use_cache}"
+
+
+def test_unknown_and_missing_keys_raise():
+    builtin = builtin_model("RoFormerForMaskedLM")
+    state = builtin.state_dict()
+    with pytest.raises(ConversionError, match="unknown built-in RoFormer weight 'roformer.extra.weight'"):
+        convert_state_dict({**state, "roformer.extra.weight": torch.zeros(1)})
+    state.pop("roformer.encoder.layer.1.attention.self.key.weight")
+    with pytest.raises(ConversionError, match=r"layers\.1\.attention: missing \['key'\]"):
+        convert_state_dict(state)
+
+
+def test_convert_hf_cli_writes_a_loadable_folder(tmp_path):
+    builtin = builtin_model("RoFormerForMaskedLM")
+    source = tmp_path / "builtin"
+    builtin.save_pretrained(source)
+    (source / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "今", "天"]) + "\n")
+    out = tmp_path / "converted"
+    result = subprocess.run(
+        [sys.executable, "-m", "roformer_rope.cli", "convert-hf", "--model", str(source), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (out / "model.safetensors").is_file() and (out / "modeling_roformer_rope.py").is_file()
+    assert (out / "vocab.txt").is_file() and not (out / "tokenizer.json").exists()
+    reloaded = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(**padded_batch()).logits, builtin(**padded_batch()).logits, atol=1e-5, rtol=1e-5
+        )
+    # Refuses to overwrite, and a bad input leaves nothing behind.
+    again = subprocess.run(
+        [sys.executable, "-m", "roformer_rope.cli", "convert-hf", "--model", str(source), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 2 and "already exists" in again.stderr
+    with pytest.raises(ConversionError, match="config.json: not found"):
+        convert_folder(tmp_path / "nowhere", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["builtin", "converted"]
