@@ -20,7 +20,7 @@ here), so verifying a ~400 MB base checkpoint costs about 2 s. bfloat16 tensors 
 float32 (exact), since neither numpy nor `torch.from_numpy` has a bfloat16 dtype.
 
 Example:
-    >>> from conversion.tf_checkpoint import load_all  # roformer_rope.conversion... when installed
+    >>> from roformer_rope.conversion.tf_checkpoint import load_all
     >>> weights = load_all("chinese_roformer_L-12_H-768_A-12/", skip=r"adam_[mv]$|global_step")
 """
 

@@ -277,6 +277,9 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
     """
 )
 class RoFormerRopeModel(RoFormerRopePreTrainedModel):
+    # A checkpoint saved from a task model (e.g. a converted RoFormer-Sim MLM) also holds its head.
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+
     def __init__(self, config: RoFormerRopeConfig, add_pooling_layer: bool | None = None) -> None:
         r"""
         add_pooling_layer (`bool`, *optional*):
@@ -407,6 +410,8 @@ _LM_TIED_WEIGHTS = {"lm_head.decoder.weight": "roformer.embeddings.word_embeddin
 @auto_docstring
 class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
     _tied_weights_keys = _LM_TIED_WEIGHTS
+    # RoFormer-Sim checkpoints keep their pooler next to the MLM head; the LM models do not use it.
+    _keys_to_ignore_on_load_unexpected = [r"^roformer\.pooler\."]
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
@@ -454,6 +459,8 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
 @auto_docstring(custom_intro="RoFormer with a language-modeling head for causal generation (RoFormer-GPT).")
 class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
     _tied_weights_keys = _LM_TIED_WEIGHTS
+    # RoFormer-Sim checkpoints keep their pooler next to the MLM head; the LM models do not use it.
+    _keys_to_ignore_on_load_unexpected = [r"^roformer\.pooler\."]
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
