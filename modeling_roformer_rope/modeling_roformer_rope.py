@@ -36,12 +36,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_roformer_rope import RoFormerRopeConfig
-from .rotary_roformer_rope import (
-    RoFormerRopeRotaryEmbedding,
-    apply_rotary,
-    apply_rotary_interleaved,
-    rotary_inv_freq,
-)
+from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding, apply_rotary, rotary_inv_freq
 
 logger = logging.get_logger(__name__)
 
@@ -128,8 +123,8 @@ class RoFormerRopeEmbeddings(nn.Module):
 class RoFormerRopeSelfAttention(nn.Module):
     """Multi-head self-attention with rotary queries/keys (and values when `rotary_value`).
 
-    One fused QKV projection (a single GEMM instead of three); rotary via `apply_rotary`, whose
-    de-interleaved output layout is shared by queries, keys and the KV cache.
+    One fused QKV projection (a single GEMM instead of three); queries and keys (and values) are rotated
+    together straight from its output, and handed to the attention backend as strided views.
     """
 
     def __init__(self, config: RoFormerRopeConfig, layer_idx: int) -> None:
@@ -156,13 +151,14 @@ class RoFormerRopeSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = hidden_states.shape
         qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
-        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, D) strided views
-
         cos, sin = position_embeddings
-        query = apply_rotary(query, cos, sin)  # (B, H, T, D), de-interleaved
-        key = apply_rotary(key, cos, sin)
-        if self.rotary_value:
-            value = apply_rotary_interleaved(value, cos, sin)
+        if self.rotary_value:  # the English ELECTRA-style RoFormers also rotate values
+            query, key, value = apply_rotary(qkv, cos, sin).unbind(2)  # 3 × (B, T, H, D)
+        else:
+            query, key = apply_rotary(qkv[:, :, :2], cos, sin).unbind(2)  # 2 × (B, T, H, D)
+            value = qkv[:, :, 2]  # (B, T, H, D) strided view
+        # (B, H, T, D) views: SDPA on CPU reads these strides directly and writes (B, T, H, D) memory.
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
@@ -368,7 +364,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen
             position_ids = position_ids.unsqueeze(0)  # (1, T)
-        position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
+        position_embeddings = self.rotary_emb(position_ids)  # cos, sin: (B or 1, T, D/2) float32
 
         mask = self._attention_mask(hidden_states, attention_mask, token_type_ids, past_key_values, position_ids)
         for layer in self.layers:
