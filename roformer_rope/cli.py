@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
             if error.name != module_name:  # the module exists but one of its imports is missing
                 raise
             continue  # not part of this version yet
-        command = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        command = sub.add_parser(
+            name, help=help_text, description=(module.__doc__ or help_text).strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(command)
         command.set_defaults(run=module.run)
     return parser

