@@ -29,12 +29,18 @@ def register_auto_classes() -> None:
         return
     for auto_name, model_class in AUTO_CLASSES.items():
         getattr(transformers, auto_name).register(RoFormerRopeConfig, model_class)
+    from .tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    transformers.AutoTokenizer.register(RoFormerRopeConfig, tokenizer_class=RoFormerRopeTokenizer, exist_ok=True)
 
 
 register_auto_classes()
 
+from .tokenization_roformer_rope import RoFormerRopeTokenizer  # noqa: E402
+
 __all__ = [
     "RoFormerRopeConfig",
+    "RoFormerRopeTokenizer",
     "RoFormerRopeForCausalLM",
     "RoFormerRopeForMaskedLM",
     "RoFormerRopeForMultipleChoice",
