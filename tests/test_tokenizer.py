@@ -260,8 +260,13 @@ def test_save_writes_no_tokenizer_json_and_generic_loaders_refuse(ours, tmp_path
     assert config["auto_map"]["AutoTokenizer"][0] == "tokenization_roformer_rope.RoFormerRopeTokenizer"
     with pytest.raises((ValueError, OSError)):
         PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    with pytest.raises((ValueError, OSError)):
-        AutoTokenizer.from_pretrained(tmp_path)  # remote code is required, never a silent fallback
+    # In-process, importing our package registered the class with AutoTokenizer: the right class loads.
+    assert type(AutoTokenizer.from_pretrained(tmp_path)) is RoFormerRopeTokenizer
+    # In a process that never imported our package, remote code is required: never a silent fallback.
+    probe = "import sys, transformers; transformers.AutoTokenizer.from_pretrained(sys.argv[1])"
+    result = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode != 0 and "trust_remote_code" in result.stderr, result.stderr[-2000:]
 
 
 def test_custom_jieba_dictionary_saved_and_reloaded(vocab, tmp_path):
