@@ -32,6 +32,8 @@ class RoFormerRopeConfig(PreTrainedConfig):
     - `summary_type`: which token `...ForMultipleChoice` scores (`"first"` = [CLS]; `"last"` is what the
       built-in model does, kept for checkpoints converted from it).
     - `attention_type`: `"softmax"` (full attention through the transformers attention interface).
+    - `sparse_prediction`: when `...ForMaskedLM` gets `labels`, compute logits only for labelled tokens
+      (returned as (N_labelled, vocab_size)); speeds up MLM training. Off by default.
 
     `max_position_embeddings` is informational only: rotary sinusoids are computed for the actual
     positions, so any length runs.
@@ -67,6 +69,7 @@ class RoFormerRopeConfig(PreTrainedConfig):
     unilm_mask: bool = False
     summary_type: Literal["first", "last"] = "first"
     attention_type: str = "softmax"
+    sparse_prediction: bool = False
     is_decoder: bool = False
     use_cache: bool = True
     tie_word_embeddings: bool = True

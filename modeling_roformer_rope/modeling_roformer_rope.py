@@ -443,7 +443,14 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
             inputs_embeds=inputs_embeds,
             **kwargs,
         )
-        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+        hidden_states = outputs.last_hidden_state  # (B, T, C)
+        if labels is not None and self.config.sparse_prediction:
+            # Only the masked ~15% of tokens carry a label: run the vocabulary projection (the largest GEMM of
+            # an MLM step) on those rows only. Logits then have shape (N_labelled, V).
+            keep = labels.reshape(-1) != -100
+            hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])[keep]  # (N, C)
+            labels = labels.reshape(-1)[keep]  # (N,)
+        logits = self.lm_head(hidden_states)  # (B, T, V), or (N, V) with sparse_prediction
         loss = None
         if labels is not None:
             loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size).float(), labels.view(-1))

@@ -246,3 +246,22 @@ def test_torch_compile_fullgraph_matches_eager():
         expected = model(**batch).logits
         compiled = torch.compile(model, fullgraph=True)(**batch).logits
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_prediction_gives_the_dense_loss_and_gradients():
+    batch = padded_batch()
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, 1::4] = batch["input_ids"][:, 1::4]
+
+    def loss_and_grads(sparse: bool):
+        model = model_of(rr.RoFormerRopeForMaskedLM, sparse_prediction=sparse)
+        out = model(**batch, labels=labels)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (dense, dense_grads), (sparse, sparse_grads) = loss_and_grads(False), loss_and_grads(True)
+    assert dense.logits.shape == (2, 12, 99) and sparse.logits.shape == (int((labels != -100).sum()), 99)
+    torch.testing.assert_close(sparse.loss, dense.loss)
+    torch.testing.assert_close(sparse.logits, dense.logits[labels != -100])
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
