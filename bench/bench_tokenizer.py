@@ -26,10 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("modeling_roformer_rope") is None:
     sys.path.insert(0, str(REPO))
 
+from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer  # noqa: E402
 from roformer_rope.tokenization import build_vocab  # noqa: E402
 from roformer_rope.tokenization.corpus import people_daily_lines  # noqa: E402
-
-from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer  # noqa: E402
 
 
 def best_times(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

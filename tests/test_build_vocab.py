@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from roformer_rope.tokenization import build_vocab
 from roformer_rope.tokenization.corpus import people_daily_lines, review_lines, split_held_out, untag
 

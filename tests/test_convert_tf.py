@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+
 from roformer_rope.conversion import from_tf, hub
 from roformer_rope.conversion.from_tf import ConversionError, convert_checkpoint, detect_kind
 from roformer_rope.conversion.tf_checkpoint import TABLE_MAGIC, crc32c, list_variables, load_all, mask_crc

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import padded_batch, randomise_, tiny_config
 
 import modeling_roformer_rope as rr
+from conftest import padded_batch, randomise_, tiny_config
 from modeling_roformer_rope.modeling_roformer_rope import RoFormerRopeRMSNorm
 
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import builtin_model, padded_batch
 
+from conftest import builtin_model, padded_batch
 from roformer_rope.conversion.from_transformers import (
     ConversionError,
     convert_folder,

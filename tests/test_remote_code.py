@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 import torch
-from conftest import randomise_, tiny_config
 
 import modeling_roformer_rope as rr
+from conftest import randomise_, tiny_config
 
 CHARS = list("今天天气非常好我们去公园散步吧人民日报新闻北京上海的了是在有")
 WORDS = ["今天", "天气", "非常", "公园", "散步", "人民", "日报", "北京"]

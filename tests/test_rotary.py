@@ -3,8 +3,8 @@
 import pytest
 import torch
 import transformers
-from conftest import tiny_config
 
+from conftest import tiny_config
 from modeling_roformer_rope.rotary_roformer_rope import RoFormerRopeRotaryEmbedding, apply_rotary, apply_rotary_real
 
 BuiltinAttention = transformers.models.roformer.modeling_roformer.RoFormerSelfAttention

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from roformer_rope.conversion.tf_checkpoint import (
     FOOTER_SIZE,
     TFCheckpointError,

@@ -26,10 +26,9 @@ PAYLOAD = REPO / "modeling_roformer_rope" / "tokenization_roformer_rope.py"
 if importlib.util.find_spec("modeling_roformer_rope") is None:
     sys.path.insert(0, str(REPO))  # spawned DataLoader workers inherit sys.path
 
+from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer  # noqa: E402
 from roformer_rope.tokenization import build_vocab  # noqa: E402
 from roformer_rope.tokenization.corpus import people_daily_lines, review_lines  # noqa: E402
-
-from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer  # noqa: E402
 
 pytest.importorskip("rjieba")  # the built-in reference needs it
 from transformers import RoFormerTokenizer  # noqa: E402
