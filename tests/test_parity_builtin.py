@@ -25,6 +25,7 @@ HEADS = [
     "RoFormerForMultipleChoice",
 ]
 OUTPUT_KEYS = ("last_hidden_state", "logits", "start_logits", "end_logits")
+MAX_DIFFS: dict[str, float] = {}  # filled by the parity tests; `pytest tests/test_parity_builtin.py -s` prints them
 
 
 def inputs_for(class_name: str) -> dict:
@@ -49,6 +50,8 @@ def test_every_head_matches_builtin(class_name, rotary_value, embedding_size, at
     for key in OUTPUT_KEYS:
         if expected.get(key) is not None:
             torch.testing.assert_close(actual[key], expected[key], atol=1e-5, rtol=1e-5)
+            name = f"{class_name} {key} {attn}"
+            MAX_DIFFS[name] = max(MAX_DIFFS.get(name, 0.0), (actual[key] - expected[key]).abs().max().item())
             compared += 1
     assert compared >= 1
 
@@ -120,3 +123,9 @@ def test_convert_hf_cli_writes_a_loadable_folder(tmp_path):
         convert_folder(tmp_path / "nowhere", tmp_path / "never")
     assert not (tmp_path / "never").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builtin", "converted"]
+
+
+def test_report_max_differences():
+    """Printed with `pytest tests/test_parity_builtin.py -s`: the figures quoted in the README."""
+    for name, diff in sorted(MAX_DIFFS.items()):
+        print(f"{name}: {diff:.1e}")
