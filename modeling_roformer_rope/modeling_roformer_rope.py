@@ -36,6 +36,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_roformer_rope import RoFormerRopeConfig
+from .linear_roformer_rope import RoFormerRopeLinear
 from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding, apply_rotary, rotary_inv_freq
 
 logger = logging.get_logger(__name__)
@@ -138,8 +139,8 @@ class RoFormerRopeSelfAttention(nn.Module):
         self.rotary_value = config.rotary_value
         # SDPA reads this flag: an encoder (and the UniLM mask, always materialised) must not be causal.
         self.is_causal = bool(config.is_decoder)
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.use_bias)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.use_bias)
+        self.qkv = RoFormerRopeLinear(config.hidden_size, 3 * config.hidden_size, bias=config.use_bias)
+        self.o_proj = RoFormerRopeLinear(config.hidden_size, config.hidden_size, bias=config.use_bias)
 
     def forward(
         self,
@@ -183,8 +184,8 @@ class RoFormerRopeSelfAttention(nn.Module):
 class RoFormerRopeMLP(nn.Module):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.use_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.use_bias)
+        self.up_proj = RoFormerRopeLinear(config.hidden_size, config.intermediate_size, bias=config.use_bias)
+        self.down_proj = RoFormerRopeLinear(config.intermediate_size, config.hidden_size, bias=config.use_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -226,7 +227,7 @@ class RoFormerRopePooler(nn.Module):
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.use_bias)
+        self.dense = RoFormerRopeLinear(config.hidden_size, config.hidden_size, bias=config.use_bias)
         self.activation = nn.Identity() if config.pooler_activation == "linear" else ACT2FN[config.pooler_activation]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -284,7 +285,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         super().__init__(config)
         self.embeddings = RoFormerRopeEmbeddings(config)
         if config.embedding_size != config.hidden_size:
-            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size, bias=config.use_bias)
+            self.embeddings_project = RoFormerRopeLinear(config.embedding_size, config.hidden_size, bias=config.use_bias)
         self.rotary_emb = RoFormerRopeRotaryEmbedding(config)
         self.layers = nn.ModuleList([RoFormerRopeLayer(config, i) for i in range(config.num_hidden_layers)])
         add_pooling_layer = config.add_pooler if add_pooling_layer is None else add_pooling_layer
@@ -389,10 +390,10 @@ class RoFormerRopeLMHead(nn.Module):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
         if config.has_mlm_transform:
-            self.dense = nn.Linear(config.hidden_size, config.embedding_size, bias=config.use_bias)
+            self.dense = RoFormerRopeLinear(config.hidden_size, config.embedding_size, bias=config.use_bias)
             self.act_fn = ACT2FN[config.hidden_act]
             self.norm = make_norm(config, config.embedding_size)
-        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.use_bias)
+        self.decoder = RoFormerRopeLinear(config.embedding_size, config.vocab_size, bias=config.use_bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "dense"):

@@ -1,0 +1,130 @@
+"""`torch.compile` on and off: ours and the built-in, eager vs compiled (inductor), fp32 forward.
+
+    python bench/bench_compile.py --layers 4 --reps 5
+
+Each model is compiled with `torch.compile(model, dynamic=False)` (default inductor mode); the first
+call's wall time is reported as compile time. Compiled outputs are checked against eager (atol 1e-4)
+and against the built-in. Shapes are fixed, so each new shape recompiles (counted in its first call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import torch
+from common import Section, bar_plot, check_parity, fmt_ms, interleaved, make_pair, random_batch, shape_name
+
+SHAPES = [(1, 128), (4, 512)]
+
+
+def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
+    builtin, ours = make_pair(layers, 8192)
+    compiled = {"builtin": torch.compile(builtin, dynamic=False), "ours": torch.compile(ours, dynamic=False)}
+    results = []
+    for batch, length in shapes:
+        inputs = random_batch(batch, length)
+        compile_s = {}
+        with torch.no_grad():
+            for name, model in compiled.items():
+                start = time.perf_counter()
+                model(**inputs)
+                compile_s[name] = time.perf_counter() - start
+            diff = max(
+                check_parity(builtin, ours, inputs),
+                check_parity(builtin, compiled["ours"], inputs),
+                check_parity(builtin, compiled["builtin"], inputs),
+            )
+            timing = interleaved(
+                {
+                    "builtin": partial(builtin, **inputs),
+                    "builtin_compiled": partial(compiled["builtin"], **inputs),
+                    "ours": partial(ours, **inputs),
+                    "ours_compiled": partial(compiled["ours"], **inputs),
+                },
+                reps=reps,
+                warmup=0,  # every candidate ran in the parity checks
+            )
+        r = dict(
+            batch=batch,
+            length=length,
+            max_abs_diff=diff,
+            compile_s=compile_s,
+            times=timing.times,
+            **{f"{name}_s": timing.median(name) for name in timing.times},
+            ours_compiled_vs_builtin=timing.ratio("builtin", "ours_compiled"),
+            ours_compiled_vs_ours=timing.ratio("ours", "ours_compiled"),
+            builtin_compiled_vs_builtin=timing.ratio("builtin", "builtin_compiled"),
+        )
+        results.append(r)
+        print(
+            f"compile {shape_name(batch, length)}: ours {fmt_ms(r['ours_s'])} → {fmt_ms(r['ours_compiled_s'])} ms, "
+            f"built-in {fmt_ms(r['builtin_s'])} → {fmt_ms(r['builtin_compiled_s'])} ms",
+            flush=True,
+        )
+    rows = [
+        [
+            shape_name(r["batch"], r["length"]),
+            fmt_ms(r["builtin_s"]),
+            fmt_ms(r["builtin_compiled_s"]),
+            fmt_ms(r["ours_s"]),
+            fmt_ms(r["ours_compiled_s"]),
+            f"{r['ours_compiled_vs_ours']:.2f}×",
+            f"{r['ours_compiled_vs_builtin']:.2f}×",
+            f"{r['compile_s']['builtin']:.0f} / {r['compile_s']['ours']:.0f}",
+            f"{r['max_abs_diff']:.1e}",
+        ]
+        for r in results
+    ]
+    labels = [shape_name(r["batch"], r["length"]) for r in results]
+
+    def plot(path: str) -> None:
+        bar_plot(
+            path,
+            f"torch.compile on/off, fp32 forward, {layers} layers (ms, log scale)",
+            labels,
+            {
+                name: [1000 * r[f"{key}_s"] for r in results]
+                for name, key in (
+                    ("built-in eager", "builtin"),
+                    ("built-in compiled", "builtin_compiled"),
+                    ("ours eager", "ours"),
+                    ("ours compiled", "ours_compiled"),
+                )
+            },
+            "ms",
+            log=True,
+        )
+
+    method = (
+        f"Encoder forward, fp32, `torch.no_grad`, {layers} layers; `torch.compile(model, dynamic=False)` (inductor, "
+        f"default mode). Median of {reps} interleaved runs after compilation; compile time = first call per shape "
+        "(seconds, built-in / ours). max |Δ| is the worst of eager-ours, compiled-ours and compiled-built-in vs the "
+        "eager built-in."
+    )
+    headers = [
+        "B×T",
+        "built-in ms",
+        "built-in compiled ms",
+        "ours ms",
+        "ours compiled ms",
+        "compiled vs ours eager",
+        "ours compiled vs built-in",
+        "compile s (built-in / ours)",
+        "max abs diff",
+    ]
+    return [Section("compile", "torch.compile on and off", method, headers, rows, plot, {"rows": results})]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    for section in run(args.layers, args.reps):
+        print(section.markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Shared benchmark machinery: model pairs with identical weights, parity checks, interleaved timing.
+
+Every benchmark builds ONE random built-in `transformers` RoFormer and converts it with
+`roformer_rope.conversion.from_transformers.convert_model`, so both sides hold the same weights; outputs are
+checked equal (atol 1e-4) before anything is timed. Timing interleaves the candidates inside one process
+(round r runs every candidate once, in rotating order) after warm-up runs, and reports medians: a
+concurrent load slows every candidate of a round alike, so the ratios stay meaningful on a busy machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+from roformer_rope.conversion.from_transformers import convert_model
+
+ATOL = 1e-4
+# The released base RoFormer (chinese_roformer_L-12_H-768_A-12); `layers` is the only knob benchmarks turn.
+BASE = dict(
+    vocab_size=50000,
+    hidden_size=768,
+    num_attention_heads=12,
+    intermediate_size=3072,
+    hidden_act="gelu",
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    type_vocab_size=2,
+)
+
+
+def builtin_config(layers: int, max_positions: int) -> transformers.RoFormerConfig:
+    """Base-size built-in config; `max_positions` must cover the longest length run (its sinusoid table)."""
+    return transformers.RoFormerConfig(**BASE, num_hidden_layers=layers, max_position_embeddings=max_positions)
+
+
+def make_pair(
+    layers: int, max_positions: int = 8192, head: str = "base", attn: str = "sdpa", seed: int = 0
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(built-in, ours) with identical random weights. head: "base" (the encoder) or "mlm"."""
+    torch.manual_seed(seed)
+    config = builtin_config(layers, max_positions)
+    cls = transformers.RoFormerModel if head == "base" else transformers.RoFormerForMaskedLM
+    builtin = cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a conversion slip cannot hide behind 1/0
+        g = torch.Generator().manual_seed(seed)
+        for name, p in builtin.named_parameters():
+            if "LayerNorm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    ours = convert_model(builtin).eval()
+    ours.set_attn_implementation(attn)
+    return builtin, ours
+
+
+def random_batch(batch: int, length: int, vocab: int = BASE["vocab_size"], seed: int = 0, pad: bool = False) -> dict:
+    """input_ids, token_type_ids (two segments) and an attention mask (last row half padded if `pad`)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab, (batch, length), generator=g)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    if pad:
+        attention_mask[-1, length // 2 :] = 0
+        input_ids[attention_mask == 0] = 0
+    token_type_ids = torch.zeros(batch, length, dtype=torch.long)
+    token_type_ids[:, length // 2 :] = 1
+    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+
+
+def main_output(output) -> torch.Tensor:
+    return output.logits if getattr(output, "logits", None) is not None else output.last_hidden_state
+
+
+@torch.no_grad()
+def check_parity(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: dict, atol: float = ATOL) -> float:
+    """Max |difference| of the main outputs; raises if above `atol` (nothing is timed on wrong outputs)."""
+    expected = main_output(reference(**inputs)).float()
+    actual = main_output(candidate(**inputs)).float()
+    mask = inputs.get("attention_mask")
+    if mask is not None:  # padded query rows are don't-care: backends legitimately differ there
+        expected, actual = expected[mask.bool()], actual[mask.bool()]
+    diff = (expected - actual).abs().max().item()
+    if not diff <= atol:
+        raise AssertionError(f"outputs differ by {diff:.3g} > atol {atol}: refusing to time")
+    return diff
+
+
+@dataclass
+class Timing:
+    """Per-candidate wall times in seconds (after warm-up), interleaved with the other candidates."""
+
+    times: dict[str, list[float]] = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def ms(self, name: str) -> float:
+        return 1000 * self.median(name)
+
+    def ratio(self, slow: str, fast: str) -> float:
+        """Median over rounds of slow/fast within the same round (robust to load changing between rounds)."""
+        return statistics.median(a / b for a, b in zip(self.times[slow], self.times[fast]))
+
+
+def interleaved(candidates: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> Timing:
+    """Run every candidate `warmup` times, then `reps` rounds of each once (order rotates per round)."""
+    names = list(candidates)
+    for _ in range(warmup):
+        for name in names:
+            candidates[name]()
+    timing = Timing({name: [] for name in names})
+    for r in range(reps):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            gc.collect()
+            start = time.perf_counter()
+            candidates[name]()
+            timing.times[name].append(time.perf_counter() - start)
+    return timing
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def package_version() -> str:
+    """Installed version plus the git commit of the checkout (and whether the model code had local edits)."""
+    import importlib.metadata
+    import subprocess
+
+    try:
+        version = importlib.metadata.version("roformer-rope")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "../modeling_roformer_rope"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return f"{version} (git {commit}{', model code modified' if dirty else ''})"
+    except (OSError, subprocess.CalledProcessError):
+        return version
+
+
+def machine() -> dict[str, str]:
+    flags = cpu_flags()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "CPU": f"{cpu_model()} ({os.cpu_count()} logical cores; {' '.join(isa) or 'no AVX2'})",
+        "memory": f"{mem_gb:.0f} GiB",
+        "torch threads": str(torch.get_num_threads()),
+        "torch CPU capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "roformer_rope": package_version(),
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def attention_flops(config, batch: int, length: int) -> float:
+    """QKᵀ and PV: 2 GEMMs of 2·B·H·T·T·D FLOPs each per layer = 4·B·T²·C per layer."""
+    return 4.0 * batch * length * length * config.hidden_size * config.num_hidden_layers
+
+
+@dataclass
+class Section:
+    """One benchmark's result: a markdown table plus the method it was measured with, and its plot."""
+
+    key: str  # file stem for the plot, e.g. "forward"
+    title: str
+    method: str
+    headers: list[str]
+    rows: list[list[str]]
+    plot: Callable[[str], None] | None = None
+    data: dict = field(default_factory=dict)  # raw numbers (seconds, bytes) for results.json
+
+    def markdown(self, image: str | None = None) -> str:
+        lines = [f"## {self.title}", "", self.method, "", markdown_table(self.headers, self.rows)]
+        if image:
+            lines += ["", f"![{self.title}]({image})"]
+        return "\n".join(lines) + "\n"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def bar_plot(path: str, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str, log: bool = False):
+    """Grouped bars: one group per shape, one bar per candidate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(groups) + 2), 3.6))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90, padding=2)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.15)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def shape_name(batch: int, length: int) -> str:
+    return f"{batch}×{length}"
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{1000 * seconds:.0f}" if seconds >= 0.1 else f"{1000 * seconds:.1f}"
+
+
+def goal_cell(value: float, goal: float | None, higher_is_better: bool = True) -> str:
+    if goal is None:
+        return ""
+    met = value >= goal if higher_is_better else value <= goal
+    return f"{'≥' if higher_is_better else '≤'}{goal:g}× {'✅' if met else '❌'}"

@@ -1,0 +1,169 @@
+"""Kernel rates behind the floor and bf16 numbers, measured in isolation (interleaved, medians).
+
+    python bench/experiments.py --layers 4 --reps 5 [--only gemm_rate,attention_rate,onednn_linear]
+        [--shapes 1x128,8x128,4x512,1x4096]
+
+Experiments
+- attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
+  GEMM rate the floor assumes).
+- gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32) vs bf16, at the
+  encoder's four GEMM shapes.
+- onednn_linear: the whole forward with every nn.Linear routed through oneDNN pre-packed weights (a
+  monkeypatch of a copy of our model; private `torch.ops.mkldnn` ops, as inductor uses them) and, the public
+  route, with every nn.Linear swapped for `torch.utils.mkldnn.MkldnnLinear`; vs ours and the built-in,
+  parity checked (atol 1e-4).
+
+(The sparse MLM decoder, measured here first as a monkeypatch, is now the model's `sparse_prediction`
+option and timed by bench_train.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from common import check_parity, interleaved, make_pair, random_batch
+
+
+def gemm_rate(reps: int, tokens: int = 2048) -> None:
+    """fp32 vs bf16 GEMM rate at the encoder's four linear shapes (tokens × in → out)."""
+    for k, n in ((768, 2304), (768, 768), (768, 3072), (3072, 768)):
+        x32, w32 = torch.randn(tokens, k), torch.randn(n, k)
+        x16, w16 = x32.bfloat16(), w32.bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w32)
+        with torch.no_grad():
+            t = interleaved(
+                {
+                    "fp32": partial(F.linear, x32, w32),
+                    "fp32_onednn": partial(_packed_linear, x32, weight=packed, bias=None),
+                    "bf16": partial(F.linear, x16, w16),
+                },
+                reps=reps,
+            )
+        rate = {name: 2.0 * tokens * k * n / t.median(name) / 1e9 for name in t.times}
+        print(
+            f"GEMM {tokens}×{k}→{n} GFLOP/s: fp32 F.linear {rate['fp32']:.0f}, fp32 oneDNN packed "
+            f"{rate['fp32_onednn']:.0f}, bf16 F.linear {rate['bf16']:.0f}",
+            flush=True,
+        )
+
+
+def onednn_packed_linear(model: torch.nn.Module) -> torch.nn.Module:
+    """Route every nn.Linear of `model` (inference only) through oneDNN with a pre-packed weight.
+
+    `torch.ops.mkldnn._reorder_linear_weight` packs W once into oneDNN's blocked layout and
+    `torch.ops.mkldnn._linear_pointwise` runs x Wᵀ + b with it: the fp32 path inductor uses for frozen CPU
+    linears. Same fp32 arithmetic as F.linear (MKL sgemm), different kernel; no autograd.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+            module.forward = partial(_packed_linear, weight=packed, bias=module.bias)
+    return model
+
+
+def mkldnn_linear_modules(model: torch.nn.Module) -> torch.nn.Module:
+    """The public route: swap every nn.Linear for `torch.utils.mkldnn.MkldnnLinear` (inference only).
+
+    Same oneDNN kernel family with a weight kept in oneDNN layout; the state dict changes (mkldnn
+    tensors), so this is a post-load step for CPU inference, not a model default.
+    """
+    from torch.utils.mkldnn import MkldnnLinear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, MkldnnLinear(child, torch.float32))
+    return model
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def onednn_experiment(layers: int, reps: int, shapes) -> None:
+    """Forward: built-in vs ours vs ours with oneDNN pre-packed linears (same weights, parity checked)."""
+    builtin, ours = make_pair(layers, 8192)
+    packed = onednn_packed_linear(copy.deepcopy(ours))
+    public = mkldnn_linear_modules(copy.deepcopy(ours))
+    for model in (packed, public):
+        diff = check_parity(builtin, model, random_batch(2, 64, pad=True))
+        print(f"onednn_linear: padded parity vs built-in {diff:.1e}")
+    for batch, length in shapes:
+        inputs = random_batch(batch, length)
+        check_parity(builtin, packed, inputs)
+        check_parity(builtin, public, inputs)
+        with torch.no_grad():
+            t = interleaved(
+                {
+                    "builtin": partial(builtin, **inputs),
+                    "ours": partial(ours, **inputs),
+                    "ours_onednn": partial(packed, **inputs),
+                    "ours_mkldnn_linear": partial(public, **inputs),
+                },
+                reps=reps,
+            )
+        print(
+            f"onednn_linear {batch}×{length}, {layers} layers: built-in {t.ms('builtin'):.0f} ms, ours "
+            f"{t.ms('ours'):.0f} ms ({t.ratio('builtin', 'ours'):.2f}×), ours + oneDNN linears "
+            f"{t.ms('ours_onednn'):.0f} ms ({t.ratio('builtin', 'ours_onednn'):.2f}× vs built-in, "
+            f"{t.ratio('ours', 'ours_onednn'):.2f}× vs ours); ours + torch.utils.mkldnn.MkldnnLinear "
+            f"{t.ms('ours_mkldnn_linear'):.0f} ms ({t.ratio('builtin', 'ours_mkldnn_linear'):.2f}× vs built-in, "
+            f"{t.ratio('ours', 'ours_mkldnn_linear'):.2f}× vs ours)",
+            flush=True,
+        )
+
+
+def attention_rate(reps: int, shapes) -> None:
+    """SDPA flash (CPU) vs GEMMs of identical FLOPs, per layer's attention at base width."""
+    for batch, length in shapes:
+        H, D = 12, 64
+        q, k, v = (torch.randn(batch, H, length, D) for _ in range(3))
+        a = torch.randn(batch * H, length, D)
+        b = torch.randn(batch * H, D, length)
+        c = torch.randn(batch * H, length, length)
+        vv = torch.randn(batch * H, length, D)
+
+        def gemms(a=a, b=b, c=c, vv=vv):
+            torch.bmm(a, b)  # QKᵀ-shaped
+            torch.bmm(c, vv)  # PV-shaped
+
+        with torch.no_grad():
+            t = interleaved(
+                {"sdpa": partial(F.scaled_dot_product_attention, q, k, v), "gemms": gemms}, reps=reps, warmup=1
+            )
+        flops = 4.0 * batch * H * length * length * D
+        print(
+            f"attention {batch}×{length} (one layer): SDPA {t.ms('sdpa'):.1f} ms = {flops / t.median('sdpa') / 1e9:.0f}"
+            f" GFLOP/s; same-FLOP bmm {t.ms('gemms'):.1f} ms = {flops / t.median('gemms') / 1e9:.0f} GFLOP/s",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--shapes", default="4x512,1x4096")
+    parser.add_argument("--only", default="gemm_rate,attention_rate,onednn_linear")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    start = time.time()
+    for name in args.only.split(","):
+        if name == "onednn_linear":
+            onednn_experiment(args.layers, args.reps, shapes)
+        elif name == "gemm_rate":
+            gemm_rate(args.reps)
+        elif name == "attention_rate":
+            attention_rate(args.reps, shapes)
+        else:
+            raise SystemExit(f"unknown experiment {name!r}")
+    print(f"[{time.time() - start:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Run every benchmark (ours vs the built-in transformers RoFormer) and write bench/results/README.md + PNGs.
+
+    make bench                                  # = python bench/run_all.py: 12 layers (base), ~20 min on 2 cores
+    python bench/run_all.py --layers 4          # 4 layers of base width (the issue's reference numbers), ~8 min
+    python bench/run_all.py --quick             # smoke run: 2 layers, fewer shapes and repetitions, < 3 min
+    python bench/run_all.py --only forward,train --out /tmp/bench
+
+Output folder: bench/results/ for the default (12-layer) run, bench/results/layers{N}/ for other depths,
+bench/results/quick/ for --quick (override with --out). Each run writes README.md (machine, method, summary
+and tables), summary.md (the headline table alone), results.json (raw per-repetition times) and one PNG
+per benchmark. Never a test: timings depend on the machine and its load; ratios are measured within one
+process on interleaved runs. On a busy machine pass --threads 1 or rerun: 2-thread kernels lose most when
+another process holds a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_bf16  # noqa: E402
+import bench_compile  # noqa: E402
+import bench_floor  # noqa: E402
+import bench_forward  # noqa: E402
+import bench_memory  # noqa: E402
+import bench_train  # noqa: E402
+import export_onnx  # noqa: E402
+from common import Section, fmt_ms, goal_cell, machine, markdown_table, shape_name  # noqa: E402
+
+BENCHMARKS = ("forward", "train", "memory", "bf16", "compile", "export")
+
+
+def plan(quick: bool, reps: int | None) -> dict:
+    if quick:
+        return dict(
+            reps=reps or 3,
+            forward=[(1, 128), (2, 512)],
+            train=[(4, 128)],
+            memory=[4096],
+            bf16=[(2, 512)],
+            compile=[(1, 128)],
+        )
+    return dict(
+        reps=reps or 5,
+        forward=bench_forward.SHAPES,
+        train=bench_train.SHAPES,
+        memory=bench_memory.LENGTHS,
+        bf16=bench_bf16.SHAPES,
+        compile=bench_compile.SHAPES,
+    )
+
+
+def summary(sections: dict[str, Section]) -> str:
+    """One headline table: every benchmark's ratio (built-in / ours unless stated), goals from the issue."""
+    rows = []
+
+    def mark(value: float, goal: float | None, higher: bool = True) -> str:
+        return goal_cell(value, goal, higher) if goal is not None else ""
+
+    for key, label in (("forward", "forward fp32"), ("train", "training step fp32")):
+        goals = bench_forward.GOALS if key == "forward" else bench_train.GOALS
+        for r in sections[key].data["rows"] if key in sections else []:
+            shape = (r["batch"], r["length"])
+            rows.append(
+                [
+                    label,
+                    shape_name(*shape),
+                    f"{fmt_ms(r['builtin_s'])} ms",
+                    f"{fmt_ms(r['ours_s'])} ms",
+                    f"{r['speedup']:.2f}×",
+                    mark(r["speedup"], goals.get(shape)),
+                ]
+            )
+    for r in sections["train"].data["rows"] if "train" in sections else []:
+        shape = (r["batch"], r["length"])
+        rows.append(
+            [
+                "training step fp32, ours with `sparse_prediction=True`",
+                shape_name(*shape),
+                f"{fmt_ms(r['builtin_s'])} ms",
+                f"{fmt_ms(r['sparse_s'])} ms",
+                f"{r['sparse_speedup']:.2f}×",
+                mark(r["sparse_speedup"], bench_train.GOALS.get(shape)),
+            ]
+        )
+    for r in sections["memory"].data["rows"] if "memory" in sections else []:
+        b, o = r["builtin"]["forward_bytes"], r["ours"]["forward_bytes"]
+        rows.append(
+            [
+                "peak memory, forward increment",
+                shape_name(1, r["length"]),
+                f"{b / 2**20:.0f} MiB",
+                f"{o / 2**20:.0f} MiB",
+                f"{b / max(o, 1):.1f}×",
+                "",
+            ]
+        )
+    for r in sections["forward"].data["rows"] if "forward" in sections else []:
+        shape = (r["batch"], r["length"])
+        if shape in bench_forward.GOALS:
+            ratio = r["ours_s"] / r["floor_s"]
+            rows.append(
+                [
+                    "forward / own GEMM floor (ours)",
+                    shape_name(*shape),
+                    "",
+                    f"floor {fmt_ms(r['floor_s'])} ms",
+                    f"{ratio:.2f}× of floor",
+                    mark(ratio, bench_floor.FLOOR_GOAL, higher=False),
+                ]
+            )
+    for r in sections["bf16"].data["rows"] if "bf16" in sections else []:
+        rows.append(
+            [
+                "bf16 forward (ours bf16 vs built-in fp32)",
+                shape_name(r["batch"], r["length"]),
+                f"{fmt_ms(r['builtin_s'])} ms",
+                f"{fmt_ms(r['bf16_s'])} ms",
+                f"{r['bf16_vs_builtin']:.2f}× ({r['bf16_vs_fp32']:.2f}× vs ours fp32)",
+                "",
+            ]
+        )
+    for r in sections["compile"].data["rows"] if "compile" in sections else []:
+        rows.append(
+            [
+                "torch.compile forward (ours compiled vs built-in eager)",
+                shape_name(r["batch"], r["length"]),
+                f"{fmt_ms(r['builtin_s'])} ms",
+                f"{fmt_ms(r['ours_compiled_s'])} ms",
+                f"{r['ours_compiled_vs_builtin']:.2f}× ({r['ours_compiled_vs_ours']:.2f}× vs ours eager)",
+                "",
+            ]
+        )
+    if not rows:
+        return ""
+    headers = ["benchmark", "B×T", "built-in", "ours", "built-in / ours", "goal"]
+    return "## Summary\n\n" + markdown_table(headers, rows) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, fewer shapes/repetitions")
+    parser.add_argument("--layers", type=int, help="encoder layers of base width (default 12; 2 with --quick)")
+    parser.add_argument("--reps", type=int, help="timed repetitions per candidate (default 5; 3 with --quick)")
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--out", help="output folder (default: see module docstring)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
+    args = parser.parse_args()
+
+    layers = args.layers or (2 if args.quick else 12)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only = args.only.split(",") if args.only else list(BENCHMARKS)
+    unknown = set(only) - set(BENCHMARKS)
+    if unknown:
+        parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {','.join(BENCHMARKS)}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    default_out = "quick" if args.quick else ("" if layers == 12 else f"layers{layers}")
+    out = args.out or os.path.join(here, "results", default_out)
+    os.makedirs(out, exist_ok=True)
+    p = plan(args.quick, args.reps)
+    info = machine()
+    print(f"benchmarks {only}, {layers} layers, {p['reps']} reps → {out}", flush=True)
+
+    started = time.time()
+    sections: dict[str, Section] = {}
+    for name in only:
+        t0 = time.time()
+        if name == "forward":
+            found = bench_forward.run(layers, p["reps"], p["forward"])
+        elif name == "train":
+            found = bench_train.run(layers, p["reps"], p["train"])
+        elif name == "memory":
+            found = bench_memory.run(layers, p["memory"])
+        elif name == "bf16":
+            found = bench_bf16.run(layers, p["reps"], p["bf16"])
+        elif name == "compile":
+            found = bench_compile.run(layers, p["reps"], p["compile"])
+        else:
+            found = export_onnx.run(layers)
+        for section in found:
+            sections[section.key] = section
+        print(f"[{name} done in {time.time() - started:.0f} s total, {time.time() - t0:.0f} s this one]", flush=True)
+    info["run time"] = f"{(time.time() - started) / 60:.1f} min"
+    info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    busy = float(info["load average at start"].split()[0])  # before our own threads started
+    if busy > 0.5 * (os.cpu_count() or 1):
+        info["warning"] = (
+            f"1-min load average {busy:.1f} on {os.cpu_count()} cores at start: other processes competed for the CPU, "
+            "absolute times are inflated (ratios of interleaved runs are less affected); rerun on a quiet machine"
+        )
+
+    command = (
+        "python bench/run_all.py"
+        + (" --quick" if args.quick else "")
+        + (f" --layers {layers}" if args.layers else "")
+        + (f" --reps {args.reps}" if args.reps else "")
+        + (f" --threads {args.threads}" if args.threads else "")
+    )
+    parts = [
+        f"# Benchmarks: roformer-rope vs the built-in transformers RoFormer ({layers} layers × 768, vocab 50000)",
+        "",
+        f"Generated by `{command}`. Same weights in both models (a random built-in model converted with "
+        "`convert_model`), outputs checked equal before timing, medians of interleaved runs in one process.",
+        "",
+        markdown_table(["machine", ""], [[k, v] for k, v in info.items()]),
+        "",
+        summary(sections),
+    ]
+    for section in sections.values():
+        image = None
+        if section.plot is not None:
+            image = f"{section.key}.png"
+            section.plot(os.path.join(out, image))
+        parts.append(section.markdown(image))
+    with open(os.path.join(out, "summary.md"), "w") as f:  # the headline table alone, for the top-level README
+        f.write(summary(sections))
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write("\n".join(parts))
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(
+            {"machine": info, "layers": layers, "reps": p["reps"], **{k: s.data for k, s in sections.items()}},
+            f,
+            indent=1,
+            default=str,
+        )
+    print(f"wrote {out}/README.md in {(time.time() - started) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
