@@ -9,7 +9,6 @@ and against the built-in. Shapes are fixed, so each new shape recompiles (counte
 
 from __future__ import annotations
 
-import argparse
 import time
 from functools import partial
 
@@ -118,12 +117,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    for section in run(args.layers, args.reps):
-        print(section.markdown())
+    from common import standalone_main
+
+    standalone_main(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Inputs carry an all-ones attention mask, as a tokenizer returns for an unpadded 
 
 from __future__ import annotations
 
-import argparse
 from functools import partial
 
 import torch
@@ -105,12 +104,9 @@ def forward_section(results: list[dict], layers: int, reps: int, padded_diff: fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    for section in run(args.layers, args.reps):
-        print(section.markdown())
+    from common import standalone_main
+
+    standalone_main(run, __doc__)
 
 
 if __name__ == "__main__":

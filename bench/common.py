@@ -258,3 +258,15 @@ def goal_cell(value: float, goal: float | None, higher_is_better: bool = True) -
         return ""
     met = value >= goal if higher_is_better else value <= goal
     return f"{'≥' if higher_is_better else '≤'}{goal:g}× {'✅' if met else '❌'}"
+
+
+def standalone_main(run, doc: str) -> None:
+    """`python bench/bench_X.py [--layers N] [--reps R]`: run one benchmark and print its markdown."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    for section in run(args.layers, args.reps):
+        print(section.markdown())
