@@ -1,59 +1,58 @@
-"""Experiment: could oneDNN GEMMs make fp32 attention faster than SDPA's CPU flash kernel?
+"""Attention alone: SDPA's CPU kernel vs our oneDNN attention (`onednn_attention_roformer_rope.py`).
 
-    python bench/attention_onednn.py [--length 4096] [--heads 12] [--block 1024]
+    python bench/attention_onednn.py [--heads 12] [--reps 5] [--blocks 256,512,1024]
 
-Times, for one layer's worth of heads (batch 1, head size 64), `F.scaled_dot_product_attention` against a
-query-blocked attention whose QKᵀ and PV products run on oneDNN (`torch.ops.mkldnn._linear_pointwise`,
-the op behind `modeling_roformer_rope/linear_roformer_rope.py`) with a plain softmax between them.
-Checks both agree first. Result recorded in the issue notes: only a few percent faster, because the
-softmax (T² exponentials per head) and score traffic dominate, not the GEMMs.
+One layer's worth of attention (base size: 12 heads of 64) per batch×length, inputs laid out as the
+model passes them (strided views into one fused QKV projection), fp32, no grad. Checks both agree
+(max |Δ|) before timing, then medians of interleaved runs. Also marks where the model's "sdpa" backend
+picks oneDNN (`onednn_attention_applies`: ≥ MIN_KEYS keys), so the threshold can be re-checked here.
+`--blocks` adds one column per query-block size (the default picks it from SCORES_PER_BLOCK).
 """
 
 import argparse
-import statistics
-import time
+from functools import partial
 
 import torch
+import torch.nn.functional as F
+from common import interleaved
+
+from modeling_roformer_rope import onednn_attention_roformer_rope as oa
 
 
-def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
-    """q, k, v: (H, T, D) → (H, T, D); scores for `block` queries at a time, GEMMs on oneDNN."""
-    op = torch.ops.mkldnn._linear_pointwise
-    H, T, D = q.shape
-    out = torch.empty_like(q)
-    for h in range(H):
-        key, value_t = k[h].contiguous(), v[h].t().contiguous()  # (T, D), (D, T)
-        for start in range(0, T, block):
-            scores = op(q[h, start : start + block].contiguous(), key, None, "none", [], "")  # (block, T)
-            probs = torch.softmax(scores.mul_(D**-0.5), dim=-1)
-            out[h, start : start + block] = op(probs, value_t, None, "none", [], "")  # (block, D)
-    return out
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # (B, T, H, D) like ours
 
 
-def median_ms(fn, reps: int = 5) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+SHAPES = [(1, 128), (8, 128), (1, 256), (4, 256), (1, 512), (4, 512), (1, 1024), (1, 1536), (1, 4096)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--block", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--blocks", default="", help="comma-separated query-block sizes to time as well")
+    parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES))
     args = parser.parse_args()
+    blocks = [int(b) for b in args.blocks.split(",") if b]
     torch.manual_seed(0)
-    # The model's layout: (B=1, T, H, D) memory viewed as (1, H, T, D), as SDPA receives it.
-    q, k, v = (torch.randn(1, args.length, args.heads, 64).transpose(1, 2) for _ in range(3))
-    with torch.no_grad():
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)[0]  # noqa: E731
-        blocked = lambda: blocked_attention(q[0], k[0], v[0], args.block)  # noqa: E731
-        print(f"max |diff| {(sdpa() - blocked()).abs().max().item():.1e}")
-        for _ in range(2):  # interleaved rounds
-            print(f"SDPA {median_ms(sdpa):.0f} ms   oneDNN blocked {median_ms(blocked):.0f} ms")
+    print(f"threads {torch.get_num_threads()}, oneDNN used by the model from {oa.MIN_KEYS} keys")
+    extra = "".join(f" block {b} ms |" for b in blocks)
+    print(f"| B×T | SDPA ms | oneDNN ms | SDPA / oneDNN | max abs diff | model uses |{extra}")
+    print("|---|---|---|---|---|---|" + "---|" * len(blocks))
+    for B, T in (tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")):
+        qkv = torch.randn(B, T, 3, args.heads, 64)  # the fused projection's layout
+        q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # 3 × (B, H, T, D) strided views
+        with torch.no_grad():
+            sdpa = partial(sdpa_attention, q, k, v)
+            ours = partial(oa.onednn_attention, q, k, v)
+            diff = (sdpa() - ours()).abs().max().item()
+            candidates = {"sdpa": sdpa, "onednn": ours}
+            candidates.update({b: partial(oa.onednn_attention, q, k, v, block=b) for b in blocks if b <= T})
+            times = interleaved(candidates, reps=args.reps, warmup=1)
+        uses = "oneDNN" if oa.onednn_attention_applies(q, k, None, 0.0) else "SDPA"
+        s, o, ratio = times.ms("sdpa"), times.ms("onednn"), times.ratio("sdpa", "onednn")
+        swept = "".join(f" {times.ms(b):.1f} |" if b in candidates else " |" for b in blocks)
+        print(f"| {B}×{T} | {s:.1f} | {o:.1f} | {ratio:.2f}× | {diff:.1e} | {uses} |{swept}", flush=True)
 
 
 if __name__ == "__main__":

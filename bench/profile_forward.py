@@ -2,7 +2,7 @@
 
     python bench/profile_forward.py --layers 4 --shapes 4x512,1x4096 [--train]
 
-Categories: GEMM (linear layers), attention (the SDPA kernel), rotary (`apply_rotary` and the cos/sin
+Categories: GEMM (linear layers), attention (SDPA or our oneDNN kernel), rotary (`apply_rotary` and the cos/sin
 tables), mask building, norms, activation (GELU), residual adds / dropout, embeddings, other.
 Labels come from `record_function` scopes wrapped around our functions for this run only (a monkeypatch
 of the imported names; the model code is unchanged), then from the aten op name. Prints one markdown
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import modeling_roformer_rope.modeling_roformer_rope as modeling
 
 OPS = {
-    "GEMM": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"),
+    "GEMM": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "mkldnn::"),
     "norms": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
     "activation": ("aten::gelu", "aten::gelu_backward"),
     "embeddings": ("aten::embedding", "aten::index_select", "aten::embedding_dense_backward", "aten::index_add_"),
@@ -46,6 +46,7 @@ def instrument(model: torch.nn.Module) -> None:
     modeling.apply_rotary = scoped("rotary", modeling.apply_rotary)
     modeling.ALL_ATTENTION_FUNCTIONS["sdpa"] = scoped("attention", modeling.ALL_ATTENTION_FUNCTIONS["sdpa"])
     modeling.eager_attention_forward = scoped("attention", modeling.eager_attention_forward)
+    modeling.onednn_attention_forward = scoped("attention", modeling.onednn_attention_forward)
     base = model.base_model
     base._attention_mask = scoped("mask", base._attention_mask)
     base.rotary_emb.forward = scoped("rotary tables", base.rotary_emb.forward)

@@ -37,6 +37,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_roformer_rope import RoFormerRopeConfig
 from .linear_roformer_rope import RoFormerRopeLinear
+from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward
 from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding, apply_rotary, rotary_inv_freq
 
 logger = logging.get_logger(__name__)
@@ -164,16 +165,20 @@ class RoFormerRopeSelfAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
 
+        dropout = self.attention_dropout if self.training else 0.0
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+        if self.config._attn_implementation == "sdpa" and onednn_attention_applies(query, key, attention_mask, dropout):
+            # "sdpa" picks the backend per shape: long CPU fp32 inference runs faster on oneDNN GEMMs.
+            attention_interface = onednn_attention_forward
         attn_output, attn_weights = attention_interface(
             self,
             query,
             key,
             value,
             attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
+            dropout=dropout,
             scaling=self.scaling,
             **kwargs,
         )

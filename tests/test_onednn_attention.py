@@ -1,0 +1,205 @@
+"""The oneDNN attention kernel against a float64 softmax oracle and SDPA, and its use inside the model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import modeling_roformer_rope as rr
+from conftest import builtin_model, padded_batch, tiny_config
+from modeling_roformer_rope import modeling_roformer_rope as modeling
+from modeling_roformer_rope import onednn_attention_roformer_rope as oa
+from roformer_rope.conversion.from_transformers import convert_model
+
+pytestmark = pytest.mark.skipif(oa._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
+
+
+def oracle(q, k, v, mask=None, scaling=None, is_causal=False) -> torch.Tensor:
+    """Naive float64 softmax attention → (B, T, H, Dv); fully masked rows → 0 (as SDPA on CPU)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)  # (B, H, T, S)
+    if is_causal:
+        T, S = scores.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (weights @ v).transpose(1, 2).float()  # (B, T, H, Dv)
+
+
+def qkv_views(B, T, H=3, D=16, S=None, seed=0):
+    """Strided (B, H, ·, D) views into one fused projection, like the model passes them."""
+    generator = torch.Generator().manual_seed(seed)
+    S = T if S is None else S
+    q = torch.randn(B, T, H, D, generator=generator).transpose(1, 2)
+    kv = (2 * torch.randn(B, S, 2, H, D, generator=generator)).transpose(1, 3)  # (B, H, 2, S, D)
+    return q, kv[:, :, 0], kv[:, :, 1]
+
+
+@pytest.mark.parametrize("B, T, S", [(1, 700, 700), (2, 129, 300), (1, 64, 1100)])
+def test_matches_float64_oracle_without_mask(B, T, S):
+    q, k, v = qkv_views(B, T, S=S)
+    out = oa.onednn_attention(q, k, v, scaling=0.3)
+    torch.testing.assert_close(out, oracle(q, k, v, scaling=0.3), atol=2e-6, rtol=1e-5)
+    sdpa = F.scaled_dot_product_attention(q, k, v, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)  # SDPA itself is ~2e-6 off the oracle
+
+
+def test_boolean_mask_with_padding_and_fully_masked_rows():
+    B, T = 2, 600
+    q, k, v = qkv_views(B, T)
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.rand(B, 1, T, T, generator=generator) > 0.3  # (B, 1, T, S), broadcast over heads
+    mask[1, :, :, 450:] = False  # padding keys of the second sequence
+    mask[0, 0, 5] = False  # a query that sees nothing
+    out = oa.onednn_attention(q, k, v, mask)
+    torch.testing.assert_close(out, oracle(q, k, v, mask), atol=2e-6, rtol=1e-5)
+    assert torch.equal(out[0, 5], torch.zeros_like(out[0, 5]))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2))
+
+
+def test_float_mask_is_added_per_head():
+    B, H, T = 1, 3, 520
+    q, k, v = qkv_views(B, T, H=H)
+    bias = torch.randn(B, H, T, T, generator=torch.Generator().manual_seed(2))
+    bias[..., 500:] = torch.finfo(torch.float32).min  # transformers' large-negative padding value
+    out = oa.onednn_attention(q, k, v, bias)
+    torch.testing.assert_close(out, oracle(q, k, v, bias), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T, S", [(777, 777), (300, 900)])
+def test_causal_is_upper_left_like_sdpa(T, S):
+    q, k, v = qkv_views(1, T, S=S)
+    out = oa.onednn_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, oracle(q, k, v, is_causal=True), atol=2e-6, rtol=1e-5)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)  # SDPA itself is ~2e-6 off the oracle
+
+
+@pytest.mark.parametrize("block", [64, 100, None])
+def test_extreme_scores_take_the_max_subtracting_path(block, monkeypatch):
+    """Scores far beyond exp's float32 range (overflow) and rows whose every score is hugely negative
+    (underflow) still give the softmax; a spy checks the safe path really ran for those blocks."""
+    q, k, v = qkv_views(1, 600, H=2)
+    q = q * torch.tensor([40.0, 1.0]).view(1, 2, 1, 1)  # head 0: scores ~ ±600, 2^s' overflows
+    bias = torch.zeros(1, 2, 600, 600)
+    bias[:, 1, 300:] = -200.0  # head 1: every weight of these rows underflows without the maximum
+    checks = []
+    original = oa._well_scaled
+    monkeypatch.setattr(oa, "_well_scaled", lambda d, n: checks.append(original(d, n)) or checks[-1])
+    out = oa.onednn_attention(q, k, v, bias, block=block)
+    assert out.isfinite().all() and checks.count(False) >= 2
+    torch.testing.assert_close(out, oracle(q, k, v, bias), atol=2e-5, rtol=1e-4)
+
+
+def test_moderate_scores_skip_the_max_subtraction(monkeypatch):
+    q, k, v = qkv_views(1, 600)
+    checks = []
+    original = oa._well_scaled
+    monkeypatch.setattr(oa, "_well_scaled", lambda d, n: checks.append(original(d, n)) or checks[-1])
+    out = oa.onednn_attention(q, k, v, block=128)
+    assert checks and all(checks)
+    torch.testing.assert_close(out, oracle(q, k, v), atol=2e-6, rtol=1e-5)
+
+
+def test_value_head_size_may_differ():
+    q, k, _ = qkv_views(1, 600)
+    v = torch.randn(1, 3, 600, 24)
+    torch.testing.assert_close(oa.onednn_attention(q, k, v), oracle(q, k, v), atol=2e-6, rtol=1e-5)
+
+
+def test_bad_shapes_and_arguments_raise():
+    q, k, v = qkv_views(1, 600)
+    with pytest.raises(ValueError, match="must be"):
+        oa.onednn_attention(q, k[:, :2], v)
+    with pytest.raises(ValueError, match="either attention_mask or is_causal"):
+        oa.onednn_attention(q, k, v, torch.ones(1, 1, 600, 600, dtype=torch.bool), is_causal=True)
+
+
+def test_applies_only_where_it_is_exact_and_faster(monkeypatch):
+    q, k, _ = qkv_views(1, 600)
+    assert oa.onednn_attention_applies(q, k, None, 0.0)
+    short_q, short_k, _ = qkv_views(1, 100)
+    assert not oa.onednn_attention_applies(short_q, short_k, None, 0.0)  # short: SDPA is faster
+    assert not oa.onednn_attention_applies(q[:, :, :1], k, None, 0.0)  # one-token decode step
+    assert not oa.onednn_attention_applies(q, k, None, 0.1)  # dropout
+    assert not oa.onednn_attention_applies(q.bfloat16(), k.bfloat16(), None, 0.0)
+    assert not oa.onednn_attention_applies(q.detach().requires_grad_(), k, None, 0.0)  # no backward here
+    with torch.no_grad():
+        assert oa.onednn_attention_applies(q.detach().requires_grad_(), k, None, 0.0)
+    monkeypatch.setenv("ROFORMER_ROPE_ONEDNN_ATTENTION", "0")
+    assert not oa.onednn_attention_applies(q, k, None, 0.0)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the model's calls of the oneDNN attention."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return oa.onednn_attention_forward(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "onednn_attention_forward", spy)
+    return calls
+
+
+def test_model_uses_it_for_long_inputs_and_matches_the_builtin(counted):
+    """A padded batch of 600 tokens: the "sdpa" model routes to oneDNN and equals the built-in (eager)."""
+    builtin = builtin_model("RoFormerModel", max_position_embeddings=600)
+    ours = convert_model(builtin).eval()
+    batch = padded_batch(seq_len=600)
+    with torch.no_grad():
+        expected = builtin(**batch).last_hidden_state
+        got = ours(**batch).last_hidden_state
+    assert len(counted) == ours.config.num_hidden_layers
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_model_keeps_sdpa_for_short_inputs_and_training(counted):
+    ours = rr.RoFormerRopeModel(tiny_config()).eval()
+    with torch.no_grad():
+        ours(**padded_batch(seq_len=64))
+    ours(**padded_batch(seq_len=600)).last_hidden_state.sum().backward()  # grad enabled: SDPA
+    assert counted == []
+
+
+@pytest.mark.parametrize("unilm, padded", [(False, True), (False, False), (True, True)])
+def test_decoder_and_unilm_long_prefill_equal_eager(counted, unilm, padded):
+    """Decoder: a 4-D mask when padded, SDPA's `is_causal` route (no mask) when not; UniLM: its mask."""
+    overrides = dict(unilm_mask=True) if unilm else dict(is_decoder=True)
+    config = tiny_config(**overrides)
+    cls = rr.RoFormerRopeModel if unilm else rr.RoFormerRopeForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    batch = padded_batch(seq_len=560)
+    if not unilm:
+        batch.pop("token_type_ids")
+    if not padded:
+        batch["attention_mask"].fill_(1)
+    with torch.no_grad():
+        fast = model(**batch)[0]
+        model.config._attn_implementation = "eager"
+        eager = model(**batch)[0]
+    assert len(counted) == config.num_hidden_layers
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(fast[valid], eager[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_builtin_module_is_untouched():
+    assert transformers.RoFormerModel.__module__.startswith("transformers.")
+
+
+def test_compile_and_export_see_sdpa_at_long_lengths(counted):
+    """Tracing never enters the Python-loop kernel (no graph break, no shape guard) and still agrees."""
+    model = rr.RoFormerRopeModel(tiny_config()).eval()
+    batch = padded_batch(seq_len=600)
+    with torch.no_grad():
+        eager = model(**batch).last_hidden_state
+        assert len(counted) == model.config.num_hidden_layers
+        counted.clear()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)(**batch).last_hidden_state
+    assert counted == []
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(compiled[valid], eager[valid], atol=1e-5, rtol=1e-5)
