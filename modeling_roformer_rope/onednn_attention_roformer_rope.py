@@ -32,7 +32,7 @@ from torch import nn
 from .linear_roformer_rope import _LINEAR_POINTWISE
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
-MIN_KEYS = int(os.environ.get("ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS", "512"))
+MIN_KEYS = int(os.environ.get("ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS", "384"))
 # A block of queries gets ≤ 2²¹ scores (8 MiB): the score block stays in cache between its passes
 # (`bench/attention_onednn.py --blocks` sweeps it: larger blocks feed the GEMMs better until they spill).
 SCORES_PER_BLOCK = 1 << 21
@@ -85,14 +85,15 @@ def _masked_scores(
     return scores
 
 
-def _well_scaled(denom: torch.Tensor, numer: torch.Tensor) -> bool:
+def _well_scaled(denom: torch.Tensor, value_bound: float) -> bool:
     """Whether weights computed without the max subtraction give the softmax to float32 precision.
 
-    denom ≤ 2¹⁰⁰ and a finite numerator: nothing overflowed. denom ≥ 2⁻⁶⁰: the weights lost to underflow
-    (< 2⁻¹²⁶ each, at most S of them) are < S·2⁻⁶⁶ of the row total, far below float32's 2⁻²⁴.
+    Overflow: every weight ≤ denom ≤ 2¹⁰⁰, and |numerator| ≤ denom · max|v| ≤ 2¹²⁰ stays finite. Underflow:
+    denom ≥ 2⁻⁶⁰, so the weights lost to it (< 2⁻¹²⁶ each, at most S of them) are < S·2⁻⁶⁶ of the row
+    total, far below float32's 2⁻²⁴. (A NaN anywhere fails the comparisons and takes the safe path.)
     """
     low, high = torch.aminmax(denom)
-    return bool(low >= 2.0**-60) and bool(high <= 2.0**100) and bool(numer.isfinite().all())
+    return low.item() >= 2.0**-60 and high.item() <= min(2.0**100, 2.0**120 / max(value_bound, 1.0))
 
 
 def onednn_attention(
@@ -131,6 +132,8 @@ def onednn_attention(
         q_all = query[b] * (scaling * LOG2E)  # (H, T, D) contiguous; scores come out in base-2 units
         k_all = key[b].contiguous()  # (H, S, D)
         v_t_all = value[b].transpose(1, 2).contiguous()  # (H, Dv, S): oneDNN's "weight" layout
+        v_min, v_max = torch.aminmax(v_t_all)  # max |v| bounds |numerator| / denominator (`_well_scaled`)
+        value_bound = max(-v_min.item(), v_max.item())
         for h in range(H):
             for start in range(0, T, block):
                 stop = min(start + block, T)
@@ -144,7 +147,7 @@ def onednn_attention(
                 weights = _masked_scores(q_blk, k_h, mask, causal_start).exp2_()  # (Q, keys)
                 denom = weights.sum(dim=-1, keepdim=True)  # (Q, 1)
                 numer = mm(weights, v_t, None, "none", [], "")  # (Q, Dv)
-                if not _well_scaled(denom, numer):  # extreme scores or a fully masked row: the safe way
+                if not _well_scaled(denom, value_bound):  # extreme scores or a fully masked row: the safe way
                     scores = _masked_scores(q_blk, k_h, mask, causal_start)
                     row_max = scores.amax(dim=-1, keepdim=True)  # (Q, 1)
                     row_max.masked_fill_(row_max == float("-inf"), 0.0)  # fully masked row: weights → 0

@@ -265,3 +265,18 @@ def test_sparse_prediction_gives_the_dense_loss_and_gradients():
     torch.testing.assert_close(sparse.logits, dense.logits[labels != -100])
     for name, grad in dense_grads.items():
         torch.testing.assert_close(sparse_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_inference_gelu_in_place_equals_and_spares_hooked_outputs():
+    """Under no_grad the MLP applies GELU in place; a hook on up_proj must still see pre-activations."""
+    torch.manual_seed(0)
+    mlp = rr.modeling_roformer_rope.RoFormerRopeMLP(tiny_config()).eval()
+    x = torch.randn(2, 5, 32)
+    expected = mlp.down_proj(torch.nn.functional.gelu(mlp.up_proj(x)))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+        seen = []
+        handle = mlp.up_proj.register_forward_hook(lambda module, args, out: seen.append(out))
+        mlp(x)
+        handle.remove()
+    torch.testing.assert_close(seen[0], mlp.up_proj(x))  # not GELU'd behind the hook's back

@@ -86,17 +86,30 @@ def test_extreme_scores_take_the_max_subtracting_path(block, monkeypatch):
     bias[:, 1, 300:] = -200.0  # head 1: every weight of these rows underflows without the maximum
     checks = []
     original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda d, n: checks.append(original(d, n)) or checks[-1])
+    monkeypatch.setattr(oa, "_well_scaled", lambda denom, bound: checks.append(original(denom, bound)) or checks[-1])
     out = oa.onednn_attention(q, k, v, bias, block=block)
     assert out.isfinite().all() and checks.count(False) >= 2
     torch.testing.assert_close(out, oracle(q, k, v, bias), atol=2e-5, rtol=1e-4)
+
+
+def test_huge_values_take_the_safe_path(monkeypatch):
+    """Moderate scores, but values near float32's limit: unsubtracted weights (row sums ~2²⁰) times
+    values ~2¹¹⁵ overflow the numerator; the value bound must send those blocks the safe way."""
+    q, k, v = qkv_views(1, 600)
+    v = v * 3e34
+    checks = []
+    original = oa._well_scaled
+    monkeypatch.setattr(oa, "_well_scaled", lambda denom, bound: checks.append(original(denom, bound)) or checks[-1])
+    out = oa.onednn_attention(q, k, v)
+    assert False in checks and out.isfinite().all()
+    torch.testing.assert_close(out / 3e34, oracle(q, k, v) / 3e34, atol=2e-6, rtol=1e-5)
 
 
 def test_moderate_scores_skip_the_max_subtraction(monkeypatch):
     q, k, v = qkv_views(1, 600)
     checks = []
     original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda d, n: checks.append(original(d, n)) or checks[-1])
+    monkeypatch.setattr(oa, "_well_scaled", lambda denom, bound: checks.append(original(denom, bound)) or checks[-1])
     out = oa.onednn_attention(q, k, v, block=128)
     assert checks and all(checks)
     torch.testing.assert_close(out, oracle(q, k, v), atol=2e-6, rtol=1e-5)
