@@ -36,6 +36,7 @@ MIN_KEYS = int(os.environ.get("ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS", "384"))
 # A block of queries gets ≤ 2²¹ scores (8 MiB): the score block stays in cache between its passes
 # (`bench/attention_onednn.py --blocks` sweeps it: larger blocks feed the GEMMs better until they spill).
 SCORES_PER_BLOCK = 1 << 21
+MAX_BLOCK = 1024
 LOG2E = 1.4426950408889634
 
 
@@ -61,12 +62,7 @@ def onednn_attention_applies(
 def _tracing() -> bool:
     """torch.compile / torch.export / jit / ONNX tracing: they get SDPA, which they know how to capture."""
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-    return (
-        torch.compiler.is_compiling()
-        or exporting()
-        or torch.jit.is_tracing()
-        or torch.onnx.is_in_onnx_export()
-    )
+    return torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
 def _masked_scores(
@@ -123,22 +119,25 @@ def onednn_attention(
     scaling = D**-0.5 if scaling is None else scaling
     Dv = value.shape[-1]
     mm = _LINEAR_POINTWISE
-    block = block or max(64, min(1024, SCORES_PER_BLOCK // S))
+    block = block or max(64, min(MAX_BLOCK, SCORES_PER_BLOCK // S))
     tiny = torch.finfo(torch.float32).tiny
     if attention_mask is not None:
         attention_mask = attention_mask.expand(B, H, T, S)  # a view: no copy of broadcast dimensions
     out = torch.empty(B, T, H, Dv, dtype=query.dtype)
+    q_scale = scaling * LOG2E  # scores come out in base-2 units
+    # Operands are copied per head (and queries per block), never per batch row: small copies reuse
+    # freed heap memory, while (H, T, D)-sized ones would be fresh pages for the kernel to fault in.
     for b in range(B):
-        q_all = query[b] * (scaling * LOG2E)  # (H, T, D) contiguous; scores come out in base-2 units
-        k_all = key[b].contiguous()  # (H, S, D)
-        v_t_all = value[b].transpose(1, 2).contiguous()  # (H, Dv, S): oneDNN's "weight" layout
-        v_min, v_max = torch.aminmax(v_t_all)  # max |v| bounds |numerator| / denominator (`_well_scaled`)
-        value_bound = max(-v_min.item(), v_max.item())
         for h in range(H):
+            k_all = key[b, h].contiguous()  # (S, D)
+            v_t_all = value[b, h].t().contiguous()  # (Dv, S): oneDNN's "weight" layout
+            v_min, v_max = torch.aminmax(v_t_all)  # max |v| bounds |numerator| / denominator (`_well_scaled`)
+            value_bound = max(-v_min.item(), v_max.item())
             for start in range(0, T, block):
                 stop = min(start + block, T)
                 keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
-                q_blk, k_h, v_t = q_all[h, start:stop], k_all[h, :keys], v_t_all[h, :, :keys]
+                q_blk = query[b, h, start:stop] * q_scale  # (Q, D) contiguous
+                k_h, v_t = k_all[:keys], v_t_all[:, :keys]
                 mask = None if attention_mask is None else attention_mask[b, h, start:stop]  # (Q, S)
                 causal_start = start if is_causal else None
                 # First try without subtracting the row maxima (two passes fewer over the scores): the

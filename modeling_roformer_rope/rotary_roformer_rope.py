@@ -83,6 +83,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.flatten(-2).to(x.dtype)  # (B, T, N, H, D)
 
 
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in place for float32 `x` (inference): rotates x's own memory and returns x.
+
+    Saves allocating (and paging in) a (B, T, N, H, D) copy on every layer. Other dtypes and tracing
+    (compile / export / ONNX) fall back to the out-of-place form and return a new tensor.
+    """
+    if x.dtype != torch.float32 or _tracing():
+        return apply_rotary(x, cos, sin)
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, N, H, D/2) complex view of x
+    pairs.mul_(torch.complex(cos, sin)[:, :, None, None])  # × e^{i·m·θ}, broadcast over N and H
+    return x
+
+
 def apply_rotary_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Eq. 34 with real tensors: x·cos + rot(x)·sin, rot(x) = (-x_1, x_0, -x_3, x_2, ...).
 
@@ -94,4 +107,4 @@ def apply_rotary_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return rotated.flatten(-2).to(x.dtype)  # (..., D)
 
 
-__all__ = ["RoFormerRopeRotaryEmbedding", "apply_rotary", "apply_rotary_real", "rotary_inv_freq"]
+__all__ = ["RoFormerRopeRotaryEmbedding", "apply_rotary", "apply_rotary_", "apply_rotary_real", "rotary_inv_freq"]

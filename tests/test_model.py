@@ -280,3 +280,20 @@ def test_inference_gelu_in_place_equals_and_spares_hooked_outputs():
         mlp(x)
         handle.remove()
     torch.testing.assert_close(seen[0], mlp.up_proj(x))  # not GELU'd behind the hook's back
+
+
+def test_inference_rotates_in_place_unless_the_projection_is_hooked():
+    torch.manual_seed(0)
+    model = rr.RoFormerRopeModel(tiny_config()).eval()
+    batch = padded_batch()
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+        qkv = model.layers[0].attention.qkv
+        seen = []
+        handle = qkv.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
+        hooked_run = model(**batch).last_hidden_state
+        handle.remove()
+    torch.testing.assert_close(hooked_run, expected, atol=0, rtol=0)
+    torch.testing.assert_close(seen[0][1], qkv(seen[0][0]))  # the hook kept the un-rotated projection
+    with torch.enable_grad():  # training path: out-of-place rotation, same numbers
+        torch.testing.assert_close(model(**batch).last_hidden_state, expected, atol=1e-6, rtol=1e-6)

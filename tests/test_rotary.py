@@ -5,7 +5,12 @@ import torch
 import transformers
 
 from conftest import tiny_config
-from modeling_roformer_rope.rotary_roformer_rope import RoFormerRopeRotaryEmbedding, apply_rotary, apply_rotary_real
+from modeling_roformer_rope.rotary_roformer_rope import (
+    RoFormerRopeRotaryEmbedding,
+    apply_rotary,
+    apply_rotary_,
+    apply_rotary_real,
+)
 
 BuiltinAttention = transformers.models.roformer.modeling_roformer.RoFormerSelfAttention
 BuiltinTable = transformers.models.roformer.modeling_roformer.RoFormerSinusoidalPositionalEmbedding
@@ -107,3 +112,17 @@ def test_low_precision_inputs_rotate_in_float32(dtype):
     assert out.dtype == dtype
     expected = complex_rope(x.float(), torch.arange(30000, 30005)).to(dtype)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_rotation_equals_out_of_place(dtype):
+    """apply_rotary_ rotates the q/k slice of the fused projection in its own memory (float32 only)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 9, 3, 4, 16).to(dtype)  # (B, T, 3, H, D)
+    cos, sin = RoFormerRopeRotaryEmbedding(tiny_config(hidden_size=64))(torch.arange(9)[None])
+    expected = apply_rotary(qkv[:, :, :2], cos, sin)
+    untouched = qkv[:, :, 2].clone()
+    got = apply_rotary_(qkv[:, :, :2], cos, sin)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert (got.data_ptr() == qkv.data_ptr()) == (dtype == torch.float32)
+    assert torch.equal(qkv[:, :, 2], untouched)  # values stay as they were
