@@ -41,7 +41,11 @@ LOG2E = 1.4426950408889634
 
 
 def onednn_attention_applies(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    value: torch.Tensor | None = None,
 ) -> bool:
     """Whether `onednn_attention` can and should replace SDPA for these inputs."""
     if _tracing():  # decided before any shape is read: a shape test would become a graph guard
@@ -54,7 +58,7 @@ def onednn_attention_applies(
         and key.shape[2] >= MIN_KEYS
         and query.shape[2] > 1
         and dropout == 0.0
-        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)))
         and (attention_mask is None or attention_mask.dim() == 4)
     )
 
@@ -71,13 +75,13 @@ def _masked_scores(
     """q (Q, D) · kᵀ (D, keys) on oneDNN, masked → (Q, keys) scores in base-2 units (q carries log₂e)."""
     scores = _LINEAR_POINTWISE(q, k, None, "none", [], "")  # (Q, keys)
     if causal_start is not None:
-        rows = torch.arange(causal_start, causal_start + q.shape[0]).unsqueeze(1)  # (Q, 1)
-        scores.masked_fill_(torch.arange(k.shape[0]) > rows, float("-inf"))  # query i sees keys j ≤ i
+        rows = torch.arange(causal_start, causal_start + q.shape[0], device=q.device).unsqueeze(1)  # (Q, 1)
+        scores.masked_fill_(torch.arange(k.shape[0], device=q.device) > rows, float("-inf"))  # sees j ≤ i
     elif mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(mask.logical_not(), float("-inf"))
         else:
-            scores.add_(mask, alpha=LOG2E)
+            scores.add_(mask)  # already in base-2 units (see onednn_attention)
     return scores
 
 
@@ -122,8 +126,15 @@ def onednn_attention(
     block = block or max(64, min(MAX_BLOCK, SCORES_PER_BLOCK // S))
     tiny = torch.finfo(torch.float32).tiny
     if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            # Into base-2 units once. Finite values stay finite (finfo.min·log₂e would overflow to −inf):
+            # a row masked with finfo.min then averages its values, as SDPA does; −inf rows give zeros.
+            low = torch.finfo(torch.float32).min
+            attention_mask = torch.where(
+                attention_mask.isinf(), attention_mask, (attention_mask * LOG2E).clamp_min(low)
+            ).float()
         attention_mask = attention_mask.expand(B, H, T, S)  # a view: no copy of broadcast dimensions
-    out = torch.empty(B, T, H, Dv, dtype=query.dtype)
+    out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
     q_scale = scaling * LOG2E  # scores come out in base-2 units
     # Operands are copied per head (and queries per block), never per batch row: small copies reuse
     # freed heap memory, while (H, T, D)-sized ones would be fresh pages for the kernel to fault in.
@@ -165,10 +176,12 @@ def onednn_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface signature; causal exactly when SDPA's integration would be."""
-    is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = attention_mask is None and query.shape[2] > 1 and is_causal
     return onednn_attention(query, key, value, attention_mask, scaling, is_causal), None
 
 

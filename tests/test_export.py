@@ -88,3 +88,21 @@ def test_torch_export_matches_eager():
             actual = exported(*args)
         assert actual.shape == expected.shape
         assert max_diff(actual, expected, args[1]) <= ATOL, shape
+
+
+def test_no_grad_exports_at_long_lengths_take_the_traceable_path():
+    """Inference-mode export past the oneDNN-attention threshold: the tracers must get SDPA and the
+    out-of-place rotary (the in-place GELU is functionalised), and still equal eager."""
+    model = encoder("sdpa")
+    B, T = torch.export.Dim("batch", max=8), torch.export.Dim("sequence", min=2, max=4096)
+    with torch.no_grad():
+        program = torch.export.export(
+            model, batch(2, 400, seed=0), dynamic_shapes={k: {0: B, 1: T} for k in INPUTS}
+        )
+        exported = program.module()
+        for shape in ((1, 500), (2, 450), (3, 20)):
+            args = batch(*shape, seed=shape[1])
+            expected, actual = model(*args), exported(*args)
+            assert max_diff(actual, expected, args[1]) <= ATOL, shape
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert not any("mkldnn" in op for op in ops)  # nothing of the eager-only kernels leaked in

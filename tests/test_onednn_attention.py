@@ -115,6 +115,31 @@ def test_moderate_scores_skip_the_max_subtraction(monkeypatch):
     torch.testing.assert_close(out, oracle(q, k, v), atol=2e-6, rtol=1e-5)
 
 
+def test_float_mask_rows_of_finfo_min_average_like_sdpa():
+    """transformers' older large-negative masks: a fully masked row averages its values (SDPA, eager)."""
+    q, k, v = qkv_views(1, 520)
+    bias = torch.zeros(1, 1, 520, 520)
+    bias[..., 400:] = torch.finfo(torch.float32).min  # padding keys
+    bias[..., 7, :] = torch.finfo(torch.float32).min  # a query that sees nothing
+    bias[..., 9, :] = float("-inf")  # and one masked with −inf: zeros, as SDPA
+    out = oa.onednn_attention(q, k, v, bias)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2)
+    torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 7], v[0, :, :].mean(1), atol=1e-5, rtol=1e-5)
+
+
+def test_is_causal_argument_overrides_the_module_flag():
+    """The attention-interface `is_causal` kwarg wins over `module.is_causal`, as in SDPA's integration."""
+    q, k, v = qkv_views(1, 500)
+    decoder, encoder = torch.nn.Module(), torch.nn.Module()
+    decoder.is_causal, encoder.is_causal = True, False
+    causal = oracle(q, k, v, is_causal=True)
+    full = oracle(q, k, v)
+    for module, flag, expected in ((decoder, None, causal), (decoder, False, full), (encoder, True, causal)):
+        out, _ = oa.onednn_attention_forward(module, q, k, v, None, is_causal=flag)
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
 def test_value_head_size_may_differ():
     q, k, _ = qkv_views(1, 600)
     v = torch.randn(1, 3, 600, 24)
@@ -138,6 +163,7 @@ def test_applies_only_where_it_is_exact_and_faster(monkeypatch):
     assert not oa.onednn_attention_applies(q, k, None, 0.1)  # dropout
     assert not oa.onednn_attention_applies(q.bfloat16(), k.bfloat16(), None, 0.0)
     assert not oa.onednn_attention_applies(q.detach().requires_grad_(), k, None, 0.0)  # no backward here
+    assert not oa.onednn_attention_applies(q, k, None, 0.0, value=k.detach().requires_grad_())
     with torch.no_grad():
         assert oa.onednn_attention_applies(q.detach().requires_grad_(), k, None, 0.0)
     monkeypatch.setenv("ROFORMER_ROPE_ONEDNN_ATTENTION", "0")
@@ -150,7 +176,7 @@ def counted(monkeypatch):
     calls = []
 
     def spy(*args, **kwargs):
-        calls.append(args[1].shape)
+        calls.append((args[1].shape, args[4] is None))  # (query shape, whether the mask was None)
         return oa.onednn_attention_forward(*args, **kwargs)
 
     monkeypatch.setattr(modeling, "onednn_attention_forward", spy)
@@ -196,6 +222,7 @@ def test_decoder_and_unilm_long_prefill_equal_eager(counted, unilm, padded):
         model.config._attn_implementation = "eager"
         eager = model(**batch)[0]
     assert len(counted) == config.num_hidden_layers
+    assert all(mask_is_none == (not padded and not unilm) for _, mask_is_none in counted)
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(fast[valid], eager[valid], atol=1e-5, rtol=1e-5)
 
