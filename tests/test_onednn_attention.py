@@ -140,6 +140,22 @@ def test_is_causal_argument_overrides_the_module_flag():
         torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_attended_in_float32(dtype):
+    """bf16/fp16 q, k, v: the result is the float32 softmax of those inputs, rounded once to `dtype`,
+    so it is at least as close to the exact answer as SDPA's reduced-precision kernel."""
+    q, k, v = (t.to(dtype) for t in qkv_views(2, 520))
+    mask = torch.ones(2, 1, 520, 520, dtype=torch.bool)
+    mask[1, ..., 300:] = False
+    out = oa.onednn_attention(q, k, v, mask)
+    assert out.dtype == dtype
+    exact = oracle(q, k, v, mask)
+    ours_err = (out.float() - exact).abs().max().item()
+    assert ours_err <= 2 * torch.finfo(dtype).eps * exact.abs().max().item()  # one rounding to dtype
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    assert ours_err <= (sdpa.float() - exact).abs().max().item()
+
+
 def test_value_head_size_may_differ():
     q, k, _ = qkv_views(1, 600)
     v = torch.randn(1, 3, 600, 24)
@@ -161,7 +177,9 @@ def test_applies_only_where_it_is_exact_and_faster(monkeypatch):
     assert not oa.onednn_attention_applies(short_q, short_k, None, 0.0)  # short: SDPA is faster
     assert not oa.onednn_attention_applies(q[:, :, :1], k, None, 0.0)  # one-token decode step
     assert not oa.onednn_attention_applies(q, k, None, 0.1)  # dropout
-    assert not oa.onednn_attention_applies(q.bfloat16(), k.bfloat16(), None, 0.0)
+    assert oa.onednn_attention_applies(q.bfloat16(), k.bfloat16(), None, 0.0)  # computed in float32
+    assert not oa.onednn_attention_applies(q.double(), k.double(), None, 0.0)
+    assert not oa.onednn_attention_applies(q.bfloat16(), k, None, 0.0)
     assert not oa.onednn_attention_applies(q.detach().requires_grad_(), k, None, 0.0)  # no backward here
     assert not oa.onednn_attention_applies(q, k, None, 0.0, value=k.detach().requires_grad_())
     with torch.no_grad():
@@ -243,3 +261,17 @@ def test_compile_and_export_see_sdpa_at_long_lengths(counted):
     assert counted == []
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(compiled[valid], eager[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_model_uses_it_and_stays_close_to_float32(counted):
+    torch.manual_seed(0)
+    model = rr.RoFormerRopeModel(tiny_config()).eval()
+    batch = padded_batch(seq_len=600)
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        reference = model(**batch).last_hidden_state[valid]
+        counted.clear()
+        low = model.to(torch.bfloat16)(**batch).last_hidden_state[valid].float()
+    assert len(counted) == model.config.num_hidden_layers
+    assert (low - reference).abs().max().item() < 0.1  # bf16 weights and activations, 2 layers
+    assert torch.nn.functional.cosine_similarity(low, reference, dim=-1).min().item() > 0.999
