@@ -3,7 +3,7 @@
     python bench/attention_onednn.py [--heads 12] [--reps 5] [--blocks 256,512,1024]
 
 One layer's worth of attention (base size: 12 heads of 64) per batch×length, inputs laid out as the
-model passes them (strided views into one fused QKV projection), fp32, no grad. Checks both agree
+model passes them (strided views into one fused QKV projection), fp32 (or `--dtype`), no grad. Checks both agree
 (max |Δ|) before timing, then medians of interleaved runs. Also marks where the model's "sdpa" backend
 picks oneDNN (`onednn_attention_applies`: ≥ MIN_KEYS keys), so the threshold can be re-checked here.
 `--blocks` adds one column per query-block size (the default picks it from SCORES_PER_BLOCK).
@@ -31,16 +31,17 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--blocks", default="", help="comma-separated query-block sizes to time as well")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES))
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",") if b]
     torch.manual_seed(0)
-    print(f"threads {torch.get_num_threads()}, oneDNN used by the model from {oa.MIN_KEYS} keys")
+    print(f"{args.dtype}, threads {torch.get_num_threads()}, oneDNN used by the model from {oa.MIN_KEYS} keys")
     extra = "".join(f" block {b} ms |" for b in blocks)
     print(f"| B×T | SDPA ms | oneDNN ms | SDPA / oneDNN | max abs diff | model uses |{extra}")
     print("|---|---|---|---|---|---|" + "---|" * len(blocks))
     for B, T in (tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")):
-        qkv = torch.randn(B, T, 3, args.heads, 64)  # the fused projection's layout
+        qkv = torch.randn(B, T, 3, args.heads, 64).to(getattr(torch, args.dtype))  # the fused projection
         q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # 3 × (B, H, T, D) strided views
         with torch.no_grad():
             sdpa = partial(sdpa_attention, q, k, v)
