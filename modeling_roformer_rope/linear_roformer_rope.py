@@ -69,6 +69,15 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def tracing() -> bool:
+    """torch.compile / torch.export / jit / ONNX tracing: the payload's eager-only fast paths step aside.
+
+    Shared by the linear, rotary and attention modules (this file imports no sibling, so all can use it).
+    """
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+    return torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         _LINEAR_POINTWISE is not None
@@ -77,9 +86,7 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and not torch.onnx.is_in_onnx_export()
+        and not tracing()
     )
 
 
@@ -99,4 +106,4 @@ class RoFormerRopeLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-__all__ = ["RoFormerRopeLinear", "linear"]
+__all__ = ["RoFormerRopeLinear", "linear", "tracing"]

@@ -185,7 +185,7 @@ class RoFormerRopeSelfAttention(nn.Module):
         if self.config._attn_implementation == "sdpa" and onednn_attention_applies(
             query, key, attention_mask, dropout, value
         ):
-            # "sdpa" picks the backend per shape: long CPU fp32 inference runs faster on oneDNN GEMMs.
+            # "sdpa" picks the backend per shape: long CPU inference runs faster on oneDNN GEMMs.
             attention_interface = onednn_attention_forward
         attn_output, attn_weights = attention_interface(
             self,

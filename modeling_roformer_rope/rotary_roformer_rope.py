@@ -20,6 +20,8 @@ other, a float64 complex oracle and the built-in transformers implementation).
 import torch
 from torch import nn
 
+from .linear_roformer_rope import tracing
+
 
 def rotary_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     """θ_i = base^(-2i/D) for i = 0..D/2-1 (paper eq. 15), float32, shape (D/2,)."""
@@ -65,10 +67,6 @@ class RoFormerRopeRotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def _tracing() -> bool:
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of `x` (paper eq. 34); angles and products in float32.
 
@@ -76,7 +74,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     last stride); cos, sin: (B or 1, T, D/2) float32 → (B, T, N, H, D) contiguous, dtype of `x`.
     """
     cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # (B, T, 1, 1, D/2): broadcast over N and H
-    if _tracing():
+    if tracing():
         return apply_rotary_real(x, cos, sin)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, N, H, D/2) complex, no copy in fp32
     rotated = torch.view_as_real(pairs * torch.complex(cos, sin))  # (B, T, N, H, D/2, 2)
@@ -89,7 +87,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     Saves allocating (and paging in) a (B, T, N, H, D) copy on every layer. Other dtypes and tracing
     (compile / export / ONNX) fall back to the out-of-place form and return a new tensor.
     """
-    if x.dtype != torch.float32 or _tracing():
+    if x.dtype != torch.float32 or tracing():
         return apply_rotary(x, cos, sin)
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, N, H, D/2) complex view of x
     pairs.mul_(torch.complex(cos, sin)[:, :, None, None])  # × e^{i·m·θ}, broadcast over N and H
