@@ -10,7 +10,7 @@ oneDNN GEMM; the normalisation is applied to the (block, D) output instead of th
 
 This is the softmax exactly: eˣ = 2^(x·log₂e), and subtracting the row maximum changes nothing but the
 floating-point range (blocks whose weights fit the range without it skip it, see `_well_scaled`). Base 2
-because `exp2` runs ~4× faster than `exp` in PyTorch's CPU kernels at the same ~1 ulp accuracy, and
+because `exp2` runs 3–4× faster than `exp` in PyTorch's CPU kernels at the same ~1 ulp accuracy, and
 log₂e folds into the query scaling for free.
 
 `bench/attention_onednn.py` times it against SDPA (1.7–2.0× faster at 1×4096 on a 2-core AVX-512 EPYC).
