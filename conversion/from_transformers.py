@@ -1,11 +1,13 @@
 """Convert a built-in transformers RoFormer (`model_type: roformer`) into a `roformer_rope` model or folder.
 
-    roformer-rope convert-hf --model IN_DIR --out OUT_DIR
+    roformer-rope convert-hf --model IN_DIR --out OUT_DIR [--overwrite]
 
-Weights are renamed by a declarative regex table (`KEY_MAP`); the separate query/key/value projections
-are concatenated into our fused `qkv` projection; the built-in's sinusoid table is dropped (we compute the
-sinusoids on the fly). Loading is strict, and a folder conversion checks the converted model's outputs
-against the built-in model on a random batch before anything is written to `OUT_DIR`.
+Weights are renamed by a declarative regex table (`KEY_MAP`, applied by `key_map`); the separate
+query/key/value projections are concatenated into our fused `qkv` projection; the built-in's sinusoid
+table is dropped (we compute the sinusoids on the fly) after checking it is the standard one. Loading is
+strict, and a folder conversion checks the converted model's outputs against the built-in model on a
+random batch before anything is written. `--out` may not be, contain or lie inside `--model`; the
+folder is written beside `--out` and swapped in at the end (`roformer_rope.safe_write`).
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from roformer_rope.safe_write import OutputError, check_output, safe_output_folder
+
+from .key_map import ConversionError, Rule, fuse_qkv, map_keys
+from .sinusoids import check_sinusoid_table
+from .tokenizer_files import save_tokenizer, tokenizer_settings
+
 logger = logging.getLogger(__name__)
 
 # Built-in key (after the regex) → our key. `None` drops the tensor (recomputed by our model).
-KEY_MAP: list[tuple[str, str | None]] = [
+KEY_MAP: list[Rule] = [
     (r"^roformer\.encoder\.embed_positions\.weight$", None),
     (r"^roformer\.embeddings\.LayerNorm\.", "roformer.embeddings.norm."),
     (r"^roformer\.encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.", r"roformer.layers.\1.attention.\2."),
@@ -41,7 +46,7 @@ KEY_MAP: list[tuple[str, str | None]] = [
     (r"^(roformer\.embeddings_project\.(weight|bias))$", r"\1"),
     (r"^((classifier|qa_outputs)(\.(dense|out_proj))?\.(weight|bias))$", r"\1"),
 ]
-_QKV = re.compile(r"^(roformer\.layers\.\d+\.attention)\.(query|key|value)\.(weight|bias)$")
+SINUSOID_KEY = "roformer.encoder.embed_positions.weight"
 
 # Built-in class name → ours.
 ARCHITECTURES = {
@@ -59,61 +64,38 @@ _CONFIG_FIELDS = (
     "layer_norm_eps pad_token_id bos_token_id eos_token_id rotary_value is_decoder use_cache tie_word_embeddings "
     "id2label label2id problem_type"
 ).split()
-# Tokenizer files worth carrying over. The built-in `tokenizer.json` is left behind on purpose: its
-# pre-tokenizer is a placeholder that generic loaders silently mis-use.
-_TOKENIZER_FILES = ("vocab.txt", "special_tokens_map.json", "tokenizer_config.json")
 
-
-class ConversionError(ValueError):
-    """The input cannot be converted; the message names the key, file or shape at fault."""
-
-
-def rename_key(name: str) -> str | None:
-    """Map one built-in state-dict key to ours (None = dropped); unknown keys raise."""
-    for pattern, replacement in KEY_MAP:
-        if re.search(pattern, name):
-            return None if replacement is None else re.sub(pattern, replacement, name)
-    raise ConversionError(f"unknown built-in RoFormer weight {name!r}: no rule in KEY_MAP")
+__all__ = [
+    "ARCHITECTURES",
+    "KEY_MAP",
+    "ConversionError",
+    "add_arguments",
+    "convert_config",
+    "convert_folder",
+    "convert_model",
+    "convert_state_dict",
+    "load_builtin_folder",
+    "run",
+    "verify_against_builtin",
+]
 
 
 def convert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename every tensor, fuse query/key/value into `qkv` (rows ordered q, k, v), check duplicates agree."""
-    renamed: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        target = rename_key(name)
-        if target is None:
-            continue
-        if target in renamed:
-            # Tied aliases (cls.predictions.bias / decoder.bias) must hold the same values.
-            if not torch.equal(renamed[target], tensor):
-                raise ConversionError(f"{name!r} and another key both map to {target!r} with different values")
-            continue
-        renamed[target] = tensor
-
-    parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    converted: dict[str, torch.Tensor] = {}
-    for name, tensor in renamed.items():
-        match = _QKV.match(name)
-        if match:
-            prefix, which, kind = match.groups()
-            parts.setdefault((prefix, kind), {})[which] = tensor
-        else:
-            converted[name] = tensor
-    for (prefix, kind), pieces in parts.items():
-        missing = {"query", "key", "value"} - pieces.keys()
-        if missing:
-            raise ConversionError(f"{prefix}: missing {sorted(missing)} {kind} for the fused qkv projection")
-        converted[f"{prefix}.qkv.{kind}"] = torch.cat([pieces["query"], pieces["key"], pieces["value"]], dim=0)
+    renamed, sources = map_keys(state_dict, KEY_MAP, noun="built-in RoFormer weight")
+    converted, _ = fuse_qkv(renamed, sources)
     return converted
 
 
-def convert_config(builtin_config) -> "RoFormerRopeConfig":  # noqa: F821
+def convert_config(builtin_config) -> RoFormerRopeConfig:  # noqa: F821
     """A `RoFormerRopeConfig` equivalent to a built-in `RoFormerConfig` (object or dict)."""
     from modeling_roformer_rope import RoFormerRopeConfig
 
     source = builtin_config if isinstance(builtin_config, dict) else builtin_config.to_dict()
     if source.get("model_type", "roformer") != "roformer":
-        raise ConversionError(f"expected a built-in RoFormer config (model_type 'roformer'), got {source['model_type']!r}")
+        raise ConversionError(
+            f"expected a built-in RoFormer config (model_type 'roformer'), got {source['model_type']!r}"
+        )
     fields = {key: source[key] for key in _CONFIG_FIELDS if key in source}
     architectures = [ARCHITECTURES.get(a, a) for a in source.get("architectures") or []]
     # The built-in multiple-choice head scores the last token (XLM-style summary); keep that for parity.
@@ -140,6 +122,8 @@ def convert_model(builtin_model: torch.nn.Module) -> torch.nn.Module:
     is_base = builtin_model.base_model is builtin_model
     if is_base:  # the bare model's keys carry no `roformer.` prefix; the table is written with it
         state_dict = {f"roformer.{k}": v for k, v in state_dict.items()}
+    if SINUSOID_KEY in state_dict:
+        check_sinusoid_table(state_dict[SINUSOID_KEY], SINUSOID_KEY)
     state_dict = convert_state_dict(state_dict)
     if is_base:
         state_dict = {k.removeprefix("roformer."): v for k, v in state_dict.items()}
@@ -177,76 +161,78 @@ def verify_against_builtin(builtin_model, ours, seq_len: int = 16, atol: float =
     return worst
 
 
-def load_builtin_folder(folder: Path):
-    """Load a built-in RoFormer folder with the class its config names."""
-    import transformers
+def read_builtin_config(folder: Path) -> dict:
+    """`folder/config.json`, checked to be a built-in RoFormer config that transformers can build."""
+    from transformers.activations import ACT2FN
 
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{config_file}: not found (expected a transformers RoFormer folder)")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{config_file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_file}: expected a JSON object, got a {type(config).__name__}")
     if config.get("model_type") != "roformer":
         raise ConversionError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'roformer'")
+    act = config.get("hidden_act", "gelu")
+    if not isinstance(act, str) or act not in ACT2FN:
+        raise ConversionError(f"{config_file}: hidden_act {act!r} is not an activation transformers knows")
+    architectures = config.get("architectures") or ["RoFormerModel"]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ConversionError(f"{config_file}: architectures must be a list of class names, got {architectures!r}")
+    return config
+
+
+def load_builtin_folder(folder: Path):
+    """Load a built-in RoFormer folder with the class its config names."""
+    import transformers
+    from safetensors import SafetensorError
+
+    config = read_builtin_config(folder)
     class_name = (config.get("architectures") or ["RoFormerModel"])[0]
     model_class_for(class_name)  # fail early on an unsupported head
-    return getattr(transformers, class_name).from_pretrained(folder)
+    try:
+        return getattr(transformers, class_name).from_pretrained(folder)
+    except SafetensorError as error:
+        raise ConversionError(f"{folder}: cannot read the safetensors weights ({error})") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        if isinstance(error, ConversionError):
+            raise
+        raise ConversionError(f"{folder}: transformers cannot load it as {class_name} ({error})") from None
 
 
 def convert_folder(in_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Convert a built-in RoFormer folder into a `roformer_rope` folder (code, safetensors, tokenizer files).
 
-    Writes into a temporary folder next to `out_dir` and moves it into place only after the converted
-    model matched the built-in; on any error nothing is left at `out_dir`.
+    `out_dir` may not be, contain or lie inside `in_dir`. Writes into a temporary folder beside
+    `out_dir` and swaps it in only after the converted model matched the built-in; on any error
+    `out_dir` is as it was and no temporary is left.
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ConversionError(f"{out_dir}: already exists (pass --overwrite to replace it)")
+    try:
+        check_output(out_dir, overwrite=overwrite, sources=[in_dir], what="--out")
+    except OutputError as error:
+        raise ConversionError(str(error)) from None
     builtin = load_builtin_folder(in_dir)
     ours = convert_model(builtin)
     diff = verify_against_builtin(builtin, ours)
     logger.info("converted %s: max |diff| vs built-in = %.2e", type(builtin).__name__, diff)
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with safe_output_folder(out_dir, overwrite=overwrite, sources=[in_dir], what="--out") as tmp:
         ours.save_pretrained(tmp)
-        copy_tokenizer_files(in_dir, tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        save_tokenizer(in_dir, tmp, **tokenizer_settings(in_dir))
     return out_dir
 
 
-def copy_tokenizer_files(in_dir: Path, out_dir: Path) -> None:
-    """Save our tokenizer (jieba words + WordPiece) from the built-in's vocab, or carry the files over."""
-    vocab = in_dir / "vocab.txt"
-    if not vocab.is_file():
-        logger.warning("%s has no vocab.txt: the converted folder has no tokenizer", in_dir)
-        return
-    try:
-        from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
-    except ImportError:
-        RoFormerRopeTokenizer = None
-    if RoFormerRopeTokenizer is not None:
-        settings = {}
-        config_file = in_dir / "tokenizer_config.json"
-        if config_file.is_file():
-            source = json.loads(config_file.read_text())
-            settings = {k: source[k] for k in ("do_lower_case", "model_max_length") if k in source}
-        RoFormerRopeTokenizer(vocab_file=str(vocab), **settings).save_pretrained(out_dir)
-        return
-    for name in _TOKENIZER_FILES:
-        if (in_dir / name).is_file():
-            shutil.copyfile(in_dir / name, out_dir / name)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="folder of a built-in transformers RoFormer (model_type roformer)")
-    parser.add_argument("--out", required=True, help="output folder for the roformer_rope model")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument(
+        "--model", required=True, help="folder of a built-in transformers RoFormer (model_type roformer)"
+    )
+    parser.add_argument(
+        "--out", required=True, help="output folder for the roformer_rope model (never --model or inside it)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists (only after success)")
 
 
 def run(args: argparse.Namespace) -> int:

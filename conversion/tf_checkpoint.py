@@ -24,6 +24,8 @@ Example:
     >>> weights = load_all("chinese_roformer_L-12_H-768_A-12/", skip=r"adam_[mv]$|global_step")
 """
 
+import logging
+import math
 import os
 import re
 import struct
@@ -43,6 +45,8 @@ __all__ = [
     "load_variable",
     "resolve_prefix",
 ]
+
+logger = logging.getLogger(__name__)
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48  # two BlockHandles padded to 40 bytes + 8-byte magic
@@ -399,18 +403,40 @@ def resolve_prefix(path: str | os.PathLike) -> str:
     return match.group(1) if match else text
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path.parent == folder or folder in path.parents
+
+
 def _prefix_in_folder(folder: Path) -> str:
+    """The prefix a folder holds: the one its `checkpoint` state file names, or its only `*.index`.
+
+    The state file is only followed inside the folder. TF writes absolute paths into it, so a folder
+    copied elsewhere names its old location: the file of that name in the folder is read instead (and
+    logged). A state file naming a checkpoint outside the folder that the folder does not hold is refused
+    rather than silently reading another model's weights.
+    """
     state = folder / "checkpoint"
     if state.is_file():
-        match = re.search(r'^model_checkpoint_path:\s*"(.*)"', state.read_text(errors="replace"), re.M)
+        try:
+            text = state.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise TFCheckpointError(f"{state}: cannot read ({exc.strerror})") from None
+        match = re.search(r'^model_checkpoint_path:\s*"(.*)"', text, re.M)
         if match:
             named = Path(match.group(1))
             named = named if named.is_absolute() else folder / named
-            if Path(f"{named}.index").is_file():
+            if Path(f"{named}.index").is_file() and _inside(named, folder):
+                logger.info("%s names %s: reading it", state, named)
                 return str(named)
             named_here = folder / named.name  # folder moved since saving: the state holds old paths
             if Path(f"{named_here}.index").is_file():
+                logger.info("%s names %s (outside the folder): reading %s instead", state, named, named_here)
                 return str(named_here)
+            if Path(f"{named}.index").is_file():
+                raise TFCheckpointError(
+                    f"{state}: names {named}, outside {folder}; pass that prefix as --checkpoint if you mean it"
+                )
     indexes = sorted(folder.glob("*.index"))
     if len(indexes) == 1:
         return str(indexes[0])[: -len(".index")]
@@ -530,11 +556,18 @@ class TFCheckpointReader:
 
     def _read(self, entry: TensorEntry, f) -> np.ndarray:
         dtype = self._dtype(entry)
-        count = int(np.prod(entry.shape, dtype=np.int64))
-        if count * dtype.itemsize != entry.size:
+        count = math.prod(entry.shape)  # exact: np.prod would wrap around on a crafted shape
+        if min(entry.shape, default=0) < 0 or count * dtype.itemsize != entry.size:
             raise TFCheckpointError(
                 f"{self.index_path}: {entry.name} has {entry.size} bytes, expected {count * dtype.itemsize} "
                 f"for shape {entry.shape}"
+            )
+        available = os.fstat(f.fileno()).st_size
+        if entry.offset < 0 or entry.size < 0 or entry.offset + entry.size > available:
+            # checked before allocating: a corrupt or crafted index may claim terabytes
+            raise TFCheckpointError(
+                f"{f.name}: truncated, {entry.name} needs bytes {entry.offset}..{entry.offset + entry.size} "
+                f"but the file has {available}"
             )
         buf = bytearray(entry.size)
         f.seek(entry.offset)

@@ -94,7 +94,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(build_vocab.os, "replace", broken_replace)
+    monkeypatch.setattr(os, "replace", broken_replace)  # the atomic swap (roformer_rope.safe_write)
     with pytest.raises(OSError):
         build_vocab.write_vocab(["[PAD]", "new"], out)
     assert out.read_text(encoding="utf-8") == "old\n"  # the old file is untouched

@@ -339,7 +339,8 @@ def test_optimizer_slots_and_next_sentence_head_are_skipped(tmp_path):
 
 def test_encoder_only_release_converts_to_the_bare_model(tmp_path):
     variables = {k: v for k, v in tf_variables("sim").items() if not k.startswith("cls/")}
-    folder = release_folder(tmp_path, "sim", variables)
+    # named like the Sim releases: a pooler alone is v1 + tanh pooler (test_pooler_without_sim_name_...)
+    folder = release_folder(tmp_path, "sim", variables, name="roformer-sim-release")
     result = convert_checkpoint(folder, tmp_path / "out")
     assert result.architecture == "RoFormerRopeModel"
     expected = expected_of("sim")

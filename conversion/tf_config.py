@@ -1,0 +1,114 @@
+"""A release's `bert_config.json` and `vocab.txt` → a `RoFormerRopeConfig` for one model kind."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from huggingface_hub.errors import StrictDataclassError
+
+from .key_map import ConversionError
+
+logger = logging.getLogger(__name__)
+
+# bert4keras activation names → transformers ACT2FN names (bert4keras' "gelu" is already the erf form).
+_ACTIVATIONS = {"gelu_erf": "gelu", "gelu_tanh": "gelu_new"}
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_FIELDS = (
+    "embedding_size hidden_act hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings "
+    "type_vocab_size initializer_range"
+).split()
+
+
+def read_bert_config(folder: Path) -> dict:
+    """The release's `bert_config.json`, checked for the fields every kind needs."""
+    config_file = folder / "bert_config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{config_file}: not found (every released checkpoint ships one next to the .ckpt)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{config_file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_file}: expected a JSON object, got a {type(config).__name__}")
+    missing = [name for name in _REQUIRED_FIELDS if name not in config]
+    if missing:
+        raise ConversionError(f"{config_file}: missing required field(s) {missing}")
+    return config
+
+
+def read_vocab(folder: Path) -> list[str] | None:
+    """Tokens of `vocab.txt` (one per line), or None when the release has none."""
+    vocab_file = folder / "vocab.txt"
+    if not vocab_file.is_file():
+        return None
+    try:
+        return vocab_file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ConversionError(f"{vocab_file}: not UTF-8 text ({error})") from None
+
+
+def _activation(value: object, source: str) -> str:
+    """bert4keras' activation name as a transformers one; unknown names are refused here, not at load."""
+    from transformers.activations import ACT2FN
+
+    if not isinstance(value, str):
+        raise ConversionError(f"{source}: hidden_act must be a string, got {value!r}")
+    name = _ACTIVATIONS.get(value, value)
+    if name not in ACT2FN:
+        raise ConversionError(f"{source}: hidden_act {value!r} is not an activation transformers knows")
+    return name
+
+
+def build_config(
+    bert_config: dict, kind: str, vocab: list[str] | None = None, pooler: bool = False, source: str = "bert_config.json"
+):
+    """A `RoFormerRopeConfig` for `kind` from the release's `bert_config.json` fields.
+
+    `pooler` (a `bert/pooler/dense` in the checkpoint) adds BERT's tanh pooler to v1/gpt; a Sim always
+    has its linear pooler.
+    """
+    from modeling_roformer_rope import RoFormerRopeConfig
+
+    fields = {name: bert_config[name] for name in _REQUIRED_FIELDS + tuple(_OPTIONAL_FIELDS) if name in bert_config}
+    if "hidden_act" in fields:
+        fields["hidden_act"] = _activation(fields["hidden_act"], source)
+    if kind != "v2" and fields.get("type_vocab_size", 2) != 2:
+        # bert4keras' RoFormer (v1) class builds 2 segment rows whatever the config says.
+        logger.info(
+            "type_vocab_size %s in bert_config.json ignored: bert4keras RoFormer uses 2", fields["type_vocab_size"]
+        )
+        fields["type_vocab_size"] = 2
+    kind_fields = {
+        "v1": dict(architectures=["RoFormerRopeForMaskedLM"]),
+        "sim": dict(
+            architectures=["RoFormerRopeForMaskedLM"], add_pooler=True, pooler_activation="linear", unilm_mask=True
+        ),
+        "gpt": dict(architectures=["RoFormerRopeForCausalLM"], is_decoder=True, use_cache=True),
+        "v2": dict(architectures=["RoFormerRopeForMaskedLM"], norm_type="rms_norm", use_bias=False),
+    }[kind]
+    if pooler and kind in ("v1", "gpt"):
+        kind_fields.update(add_pooler=True, pooler_activation="tanh")  # bert4keras' with_pool=True
+    if kind == "gpt" and vocab:
+        # RoFormer-GPT starts a text with [CLS] and ends it with [SEP] (bert4keras' lm application).
+        ids = {token: i for i, token in enumerate(vocab)}
+        kind_fields.update(bos_token_id=ids.get("[CLS]"), eos_token_id=ids.get("[SEP]"))
+    try:
+        return RoFormerRopeConfig(**fields, **kind_fields, pad_token_id=0)
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as error:
+        cause = error.__cause__ or error  # the strict-dataclass wrapper hides the one-line reason
+        raise ConversionError(f"{source} does not describe a valid {kind} model: {cause}") from None
+
+
+def check_vocab(vocab: list[str] | None, vocab_size: int, folder: Path) -> None:
+    """vocab.txt must fit the embedding table: an id past it would crash at the first lookup."""
+    if vocab is None:
+        logger.warning("%s has no vocab.txt: the converted folder will have no tokenizer", folder)
+        return
+    if len(vocab) > vocab_size:
+        raise ConversionError(
+            f"{folder / 'vocab.txt'} has {len(vocab)} tokens but bert_config.json vocab_size is {vocab_size}"
+        )
+    if len(vocab) < vocab_size:
+        logger.warning("vocab.txt has %d tokens, fewer than vocab_size %d", len(vocab), vocab_size)
