@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -31,8 +32,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).parent.parent
 PYTHON = sys.executable
 ATOL = 1e-4
-KINDS = ["v1", "v1_emb", "sim", "gpt", "v2"]
-DETECTED = {"v1": "v1", "v1_emb": "v1", "sim": "sim", "gpt": "gpt", "v2": "v2"}
+KINDS = ["v1", "v1_emb", "sim", "gpt", "v2", "v1_pool"]
+# v1_pool stores the same variables as sim (a pooler): without "sim" in its name it is v1 + tanh pooler.
+DETECTED = {"v1": "v1", "v1_emb": "v1", "sim": "sim", "gpt": "gpt", "v2": "v2", "v1_pool": "v1"}
 MAX_DIFFS: dict[str, dict[str, float]] = {}  # filled by the parity tests, printed at the end (-s)
 
 
@@ -134,7 +136,8 @@ def compare_with_original(folder: Path, kind: str) -> dict[str, float]:
     lm = kind == "gpt"
     auto = transformers.AutoModelForCausalLM if lm else transformers.AutoModelForMaskedLM
     model = auto.from_pretrained(folder, trust_remote_code=True).eval()
-    encoder = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True).eval() if kind == "sim" else None
+    pooled = "pooler" in expected  # sim (linear) and v1_pool (tanh)
+    encoder = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True).eval() if pooled else None
     head = "lm" if lm else "mlm"
     diffs = {}
     for prefix in ("", "long_"):
@@ -300,6 +303,74 @@ def test_gpt_without_name_hint_is_v1_and_explicit_kind_wins(tmp_path):
     folder = release_folder(tmp_path, "gpt", name="renamed")
     result = convert_checkpoint(folder, tmp_path / "out", model_kind="gpt")
     assert result.architecture == "RoFormerRopeForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "location, kind",
+    [
+        ("chinese_roformer-sim-char_L-12_H-768_A-12/bert_model.ckpt", "sim"),
+        ("chinese_roformer-sim-char-ft_L-6_H-384_A-6/bert_model.ckpt", "sim"),
+        ("roformer_sim/model.ckpt", "sim"),
+        ("release/bert_model.ckpt", "v1"),
+        ("simple_encoder/bert_model.ckpt", "v1"),
+        ("roformer-simcse/bert_model.ckpt", "v1"),
+        ("roformer-gpt-pool/bert_model.ckpt", "gpt"),
+    ],
+)
+def test_a_pooler_is_sim_only_when_the_name_says_so(location, kind, caplog):
+    names = set(list_variables(FIXTURES / "sim"))
+    with caplog.at_level("WARNING"):
+        assert detect_kind(names, location) == kind
+    assert ("tanh pooler" in caplog.text) == (kind != "sim")  # the decision is logged
+
+
+def test_pooler_without_sim_name_converts_to_v1_with_tanh_pooler(converted):
+    config = json.loads((converted["v1_pool"] / "config.json").read_text())
+    assert config["add_pooler"] and config["pooler_activation"] == "tanh" and not config["unilm_mask"]
+    card = (converted["v1_pool"] / "README.md").read_text()
+    assert "kind `v1 + tanh pooler`" in card and "pooler_output" in card
+
+
+def test_v1_pool_converted_as_sim_is_caught_by_the_reference_outputs(tmp_path):
+    """The old auto decision (pooler => sim) gives a self-consistent but wrong model: only the original
+    code's outputs can tell, so --reference-outputs must refuse it before anything is written."""
+    with pytest.raises(AssertionError):
+        folder = convert_checkpoint(FIXTURES / "v1_pool", tmp_path / "as-sim", model_kind="sim").out_dir
+        compare_with_original(folder, "v1_pool")
+    reference = FIXTURES / "v1_pool" / "expected.npz"
+    with pytest.raises(ConversionError, match="does not reproduce the original outputs") as info:
+        convert_checkpoint(FIXTURES / "v1_pool", tmp_path / "out", model_kind="sim", reference_outputs=reference)
+    assert str(reference) in str(info.value) and "--model-kind" in str(info.value)
+    assert_nothing_left(tmp_path, {"as-sim"})
+
+
+@pytest.mark.parametrize("kind", ["v1_pool", "sim", "gpt"])
+def test_reference_outputs_reproduced_with_auto_are_recorded_in_the_card(tmp_path, kind):
+    reference = FIXTURES / kind / "expected.npz"
+    result = convert_checkpoint(FIXTURES / kind, tmp_path / "out", reference_outputs=reference)
+    assert result.reference_max_abs_diff <= ATOL
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"reproduced to max abs diff {result.reference_max_abs_diff:.3g}" in card and "$" not in card
+
+
+def test_bad_reference_outputs_file_is_named(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    np.savez(tmp_path / "no_ids.npz", hidden_states=np.zeros((1, 2, 32), np.float32))
+    np.savez(tmp_path / "no_outputs.npz", input_ids=np.ones((1, 2), np.int32))
+    np.savez(tmp_path / "wrong_shape.npz", input_ids=np.ones((1, 2), np.int32), pooler=np.zeros((1, 5), np.float32))
+    cases = {
+        tmp_path / "missing.npz": "not found",
+        bad: "not a readable .npz",
+        tmp_path / "no_ids.npz": "no input_ids",
+        tmp_path / "no_outputs.npz": "no output to compare",
+        tmp_path / "wrong_shape.npz": "pooler has shape [1, 5]",
+    }
+    for path, fragment in cases.items():
+        with pytest.raises(ConversionError, match=re.escape(fragment)) as info:
+            convert_checkpoint(FIXTURES / "v1_pool", tmp_path / "out", reference_outputs=path)
+        assert str(path) in str(info.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_ambiguous_variables_are_refused():

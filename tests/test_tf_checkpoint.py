@@ -24,7 +24,7 @@ from roformer_rope.conversion.tf_checkpoint import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODEL_KINDS = ["v1", "v1_emb", "sim", "gpt", "v2"]
+MODEL_KINDS = ["v1", "v1_emb", "sim", "gpt", "v2", "v1_pool"]
 ALL_KINDS = MODEL_KINDS + ["dtypes", "sharded"]
 UNSUPPORTED = "^unsupported/"  # the string variable in dtypes/ and sharded/
 
@@ -168,6 +168,38 @@ def test_folder_with_checkpoint_state_file_picks_the_named_prefix(tmp_path: Path
     with pytest.raises(TFCheckpointError) as exc_info:
         TFCheckpointReader(tmp_path)
     assert_one_line_error(exc_info, "several checkpoints")
+
+
+def test_state_file_pointing_outside_the_folder_is_refused(tmp_path: Path, caplog):
+    release, elsewhere = tmp_path / "release", tmp_path / "elsewhere"
+    for folder, name in ((release, "mine"), (elsewhere, "other")):
+        folder.mkdir()
+        for file in (FIXTURES / "v1").glob("bert_model.ckpt.*"):
+            shutil.copy(file, folder / file.name.replace("bert_model", name))
+    (release / "checkpoint").write_text(f'model_checkpoint_path: "{elsewhere / "other.ckpt"}"\n')
+    with pytest.raises(TFCheckpointError) as exc_info:
+        TFCheckpointReader(release)
+    assert_one_line_error(exc_info, str(release / "checkpoint"), str(elsewhere / "other.ckpt"), "outside")
+    (release / "checkpoint").write_text('model_checkpoint_path: "../elsewhere/other.ckpt"\n')
+    with pytest.raises(TFCheckpointError, match="outside"):
+        TFCheckpointReader(release)
+    # inside the folder (relative, as TF writes it for a moved folder) it is followed and logged
+    (release / "checkpoint").write_text('model_checkpoint_path: "mine.ckpt"\n')
+    with caplog.at_level("INFO"):
+        assert TFCheckpointReader(release).prefix == str(release / "mine.ckpt")
+    assert "mine.ckpt" in caplog.text
+
+
+def test_huge_entry_is_refused_before_allocating(v1_copy: Path):
+    """A crafted index may claim terabytes; the data file's size is checked before any allocation."""
+    reader = TFCheckpointReader(v1_copy)
+    name = "bert/embeddings/word_embeddings"
+    entry = reader.entries[name]
+    huge = (1 << 20, 1 << 20)  # 4 TiB of float32
+    reader.entries[name] = type(entry)(**{**entry.__dict__, "shape": huge, "size": 4 << 40, "offset": 0})
+    with pytest.raises(TFCheckpointError) as exc_info:
+        reader.load_variable(name)
+    assert_one_line_error(exc_info, name, "truncated", "but the file has")
 
 
 def test_unknown_variable_is_a_key_error():
