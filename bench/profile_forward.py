@@ -20,7 +20,7 @@ import torch
 from common import make_pair, markdown_table, random_batch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import modeling_roformer_rope.modeling_roformer_rope as modeling
+import modeling_roformer_rope.attention_roformer_rope as attention
 
 OPS = {
     "GEMM": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "mkldnn::"),
@@ -43,10 +43,10 @@ def scoped(name: str, fn):
 
 def instrument(model: torch.nn.Module) -> None:
     """record_function scopes around rotary, attention and mask building (this process only)."""
-    modeling.apply_rotary = scoped("rotary", modeling.apply_rotary)
-    modeling.ALL_ATTENTION_FUNCTIONS["sdpa"] = scoped("attention", modeling.ALL_ATTENTION_FUNCTIONS["sdpa"])
-    modeling.eager_attention_forward = scoped("attention", modeling.eager_attention_forward)
-    modeling.onednn_attention_forward = scoped("attention", modeling.onednn_attention_forward)
+    attention.rotate_qkv = scoped("rotary", attention.rotate_qkv)
+    attention.ALL_ATTENTION_FUNCTIONS["sdpa"] = scoped("attention", attention.ALL_ATTENTION_FUNCTIONS["sdpa"])
+    attention.eager_attention_forward = scoped("attention", attention.eager_attention_forward)
+    attention.onednn_attention_forward = scoped("attention", attention.onednn_attention_forward)
     base = model.base_model
     base._attention_mask = scoped("mask", base._attention_mask)
     base.rotary_emb.forward = scoped("rotary tables", base.rotary_emb.forward)

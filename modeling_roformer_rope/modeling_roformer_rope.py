@@ -9,13 +9,10 @@ Shipped next to every checkpoint for `trust_remote_code`: imports only transform
 `from .sibling import X`.
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
-from transformers.activations import ACT2FN, GELUActivation
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -29,16 +26,17 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .attention_roformer_rope import RoFormerRopeSelfAttention, attention_class, unilm_mask_function
 from .configuration_roformer_rope import RoFormerRopeConfig
-from .linear_roformer_rope import RoFormerRopeLinear
-from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward
-from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding, apply_rotary, apply_rotary_, rotary_inv_freq
+from .inputs_roformer_rope import check_inputs
+from .onednn_roformer_rope import RoFormerRopeLinear, activation
+from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding
 
 logger = logging.get_logger(__name__)
 
@@ -60,51 +58,6 @@ def make_norm(config: RoFormerRopeConfig, dim: int) -> nn.Module:
     if config.norm_type == "rms_norm":
         return RoFormerRopeRMSNorm(config.layer_norm_eps)
     return nn.LayerNorm(dim, eps=config.layer_norm_eps)
-
-
-def hooked(*modules: nn.Module) -> bool:
-    """Whether a forward hook could hold on to these modules' outputs: then they must not change in place."""
-    return bool(
-        nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks
-        or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-        # PEFT's LoRA wrappers may return their base layer's output tensor itself.
-        or any(hooked(m.base_layer) for m in modules if isinstance(getattr(m, "base_layer", None), nn.Module))
-    )
-
-
-def unilm_mask_function(token_type_ids: torch.Tensor) -> Callable:
-    """UniLM (RoFormer-Sim): query i sees key j iff cumsum(token_type_ids)[j] <= cumsum(token_type_ids)[i].
-
-    Bidirectional inside segment 0, causal over segment 1. The returned function follows the
-    transformers mask-function protocol (batch, head, q_idx, kv_idx) -> bool.
-    """
-    segment_rank = token_type_ids.cumsum(dim=-1)  # (B, T)
-
-    def mask(batch_idx, head_idx, q_idx, kv_idx):
-        return segment_rank[batch_idx, kv_idx] <= segment_rank[batch_idx, q_idx]
-
-    return mask
-
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Unpack[TransformersKwargs],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scaling + mask) v; softmax in float32 so fp16/bf16 rows never overflow."""
-    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
-    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
 
 
 class RoFormerRopeEmbeddings(nn.Module):
@@ -133,74 +86,6 @@ class RoFormerRopeEmbeddings(nn.Module):
         return self.dropout(self.norm(embeddings))
 
 
-class RoFormerRopeSelfAttention(nn.Module):
-    """Multi-head self-attention with rotary queries/keys (and values when `rotary_value`).
-
-    One fused QKV projection (a single GEMM instead of three); queries and keys (and values) are rotated
-    together straight from its output, and handed to the attention backend as strided views.
-    """
-
-    def __init__(self, config: RoFormerRopeConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_probs_dropout_prob
-        self.rotary_value = config.rotary_value
-        # SDPA reads this flag: an encoder (and the UniLM mask, always materialised) must not be causal.
-        self.is_causal = bool(config.is_decoder)
-        self.qkv = RoFormerRopeLinear(config.hidden_size, 3 * config.hidden_size, bias=config.use_bias)
-        self.o_proj = RoFormerRopeLinear(config.hidden_size, config.hidden_size, bias=config.use_bias)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, T, _ = hidden_states.shape
-        qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
-        cos, sin = position_embeddings
-        # Inference rotates the projection's own memory (no (B, T, 2, H, D) copy) unless a hook sees it.
-        rotate = apply_rotary_ if not torch.is_grad_enabled() and not hooked(self.qkv) else apply_rotary
-        if self.rotary_value:  # the English ELECTRA-style RoFormers also rotate values
-            query, key, value = rotate(qkv, cos, sin).unbind(2)  # 3 × (B, T, H, D)
-        else:
-            query, key = rotate(qkv[:, :, :2], cos, sin).unbind(2)  # 2 × (B, T, H, D)
-            value = qkv[:, :, 2]  # (B, T, H, D) strided view
-        # (B, H, T, D) views: SDPA on CPU reads these strides directly and writes (B, T, H, D) memory.
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
-
-        dropout = self.attention_dropout if self.training else 0.0
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        if self.config._attn_implementation == "sdpa" and onednn_attention_applies(
-            query, key, attention_mask, dropout, value
-        ):
-            # "sdpa" picks the backend per shape: long CPU inference runs faster on oneDNN GEMMs.
-            attention_interface = onednn_attention_forward
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        attn_output = attn_output.reshape(B, T, -1)  # (B, T, H·D)
-        return self.o_proj(attn_output), attn_weights
-
-
 class RoFormerRopeMLP(nn.Module):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
@@ -210,11 +95,7 @@ class RoFormerRopeMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.up_proj(hidden_states)  # (B, T, I)
-        exact_gelu = isinstance(self.act_fn, GELUActivation) and self.act_fn.act is nn.functional.gelu
-        if exact_gelu and not torch.is_grad_enabled() and not hooked(self.up_proj, self.act_fn):
-            # Inference: GELU in place, ~3× faster at 4096 tokens than writing a second (B, T, I) buffer.
-            return self.down_proj(torch.ops.aten.gelu_(hidden_states))
-        return self.down_proj(self.act_fn(hidden_states))
+        return self.down_proj(activation(self.act_fn, hidden_states, self.up_proj))
 
 
 class RoFormerRopeLayer(GradientCheckpointingLayer):
@@ -222,7 +103,7 @@ class RoFormerRopeLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: RoFormerRopeConfig, layer_idx: int) -> None:
         super().__init__()
-        self.attention = RoFormerRopeSelfAttention(config, layer_idx)
+        self.attention = attention_class(config, layer_idx)(config, layer_idx)
         self.attention_norm = make_norm(config, config.hidden_size)
         self.mlp = RoFormerRopeMLP(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
@@ -281,7 +162,7 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, RoFormerRopeRotaryEmbedding):
             # A non-persistent buffer: recompute it, models are first built on the meta device.
-            init.copy_(module.inv_freq, rotary_inv_freq(module.head_dim, module.base))
+            init.copy_(module.inv_freq, module.compute_inv_freq())
         elif isinstance(module, RoFormerRopeLMHead) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
 
@@ -367,27 +248,27 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(shape)}")
-        if token_type_ids is not None and token_type_ids.shape != shape:
-            raise ValueError(
-                f"token_type_ids shape {tuple(token_type_ids.shape)} does not match input shape {tuple(shape)}"
-            )
-
         if not self.config.is_decoder:
             use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        check_inputs(
+            input_ids,
+            inputs_embeds,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            past_seen,
+            self.config.num_attention_heads,
+            self.config._attn_implementation,
+        )
 
         hidden_states = self.embeddings(input_ids, token_type_ids, inputs_embeds)  # (B, T, E)
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)  # (B, T, C)
 
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen
             position_ids = position_ids.unsqueeze(0)  # (1, T)
         position_embeddings = self.rotary_emb(position_ids)  # cos, sin: (B or 1, T, D/2) float32
@@ -479,7 +360,7 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
         logits = self.lm_head(hidden_states)  # (B, T, V), or (N, V) with sparse_prediction
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size).float(), labels.view(-1))
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -554,9 +435,8 @@ class RoFormerRopeClassificationHead(nn.Module):
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(config.classifier_dropout_prob)
         self.act_fn = ACT2FN[config.hidden_act]
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
@@ -564,22 +444,6 @@ class RoFormerRopeClassificationHead(nn.Module):
         x = self.dropout(hidden_states[:, 0])  # (B, C): the [CLS] token
         x = self.dropout(self.act_fn(self.dense(x)))
         return self.out_proj(x)  # (B, num_labels)
-
-
-def sequence_classification_loss(config: RoFormerRopeConfig, logits: torch.Tensor, labels: torch.Tensor):
-    """Regression (MSE), single-label (cross-entropy) or multi-label (BCE), chosen as transformers does."""
-    if config.problem_type is None:
-        if config.num_labels == 1:
-            config.problem_type = "regression"
-        elif config.num_labels > 1 and labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-    if config.problem_type == "regression":
-        return MSELoss()(logits.squeeze(-1).float(), labels.squeeze(-1).float())
-    if config.problem_type == "single_label_classification":
-        return CrossEntropyLoss()(logits.view(-1, config.num_labels).float(), labels.view(-1))
-    return BCEWithLogitsLoss()(logits.float(), labels.float())
 
 
 @auto_docstring(custom_intro="RoFormer with a [CLS] classification / regression head.")
@@ -612,7 +476,9 @@ class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
             **kwargs,
         )
         logits = self.classifier(outputs.last_hidden_state)
-        loss = sequence_classification_loss(self.config, logits, labels) if labels is not None else None
+        loss = None
+        if labels is not None:  # regression, single- or multi-label by `config.problem_type`, as transformers does
+            loss = self.loss_function(labels=labels, pooled_logits=logits.float(), config=self.config, **kwargs)
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -624,8 +490,7 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(config.classifier_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -652,7 +517,7 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels).float(), labels.view(-1))
+            loss = self.loss_function(logits=logits, labels=labels, config=self.config, **kwargs)
         return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -692,11 +557,7 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
         loss = None
         if start_positions is not None and end_positions is not None:
             # Positions outside the sequence are clamped to T and ignored, as in BERT.
-            ignored = start_logits.size(1)
-            loss_fct = CrossEntropyLoss(ignore_index=ignored)
-            start = start_positions.view(-1).clamp(0, ignored)
-            end = end_positions.view(-1).clamp(0, ignored)
-            loss = (loss_fct(start_logits.float(), start) + loss_fct(end_logits.float(), end)) / 2
+            loss = self.loss_function(start_logits.float(), end_logits.float(), start_positions, end_positions, **kwargs)
         return QuestionAnsweringModelOutput(
             loss=loss,
             start_logits=start_logits,
@@ -711,8 +572,7 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(config.classifier_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
@@ -748,7 +608,8 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
         index = 0 if self.config.summary_type == "first" else -1
         summary = outputs.last_hidden_state[:, index]  # (B·N, C)
         logits = self.classifier(self.dropout(summary)).view(-1, num_choices)  # (B, N)
-        loss = CrossEntropyLoss()(logits.float(), labels) if labels is not None else None
+        # transformers has no multiple-choice loss function: plain cross-entropy over the choices.
+        loss = nn.functional.cross_entropy(logits.float(), labels) if labels is not None else None
         return MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -2,7 +2,7 @@
 
 Why: at long sequence lengths attention dominates a RoFormer forward (half of it at 4096 tokens), and
 PyTorch's CPU flash kernel runs its block GEMMs on the same BLAS sgemm that makes `F.linear` slow on the
-CPUs we measured (see `linear_roformer_rope.py`). Here each head's scores for a block of queries are one
+CPUs we measured (see `onednn_roformer_rope.py`). Here each head's scores for a block of queries are one
 oneDNN GEMM, the softmax numerators are one in-place exp2, and the weighted sum of values is a second
 oneDNN GEMM; the normalisation is applied to the (block, D) output instead of the (block, S) weights:
 
@@ -27,15 +27,13 @@ give zeros.
 Shapes: B batch, H heads, T queries, S keys, D head size, Q a block of queries.
 """
 
-import os
-
 import torch
 from torch import nn
 
-from .linear_roformer_rope import _LINEAR_POINTWISE, tracing
+from .onednn_roformer_rope import _LINEAR_POINTWISE, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
-MIN_KEYS = int(os.environ.get("ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS", "384"))
+MIN_KEYS = settings.onednn_attention_min_keys
 # A block of queries gets ≤ 2²¹ scores (8 MiB): the score block stays in cache between its passes
 # (`bench/attention_onednn.py --blocks` sweeps it: larger blocks feed the GEMMs better until they spill).
 SCORES_PER_BLOCK = 1 << 21
@@ -55,7 +53,7 @@ def onednn_attention_applies(
         return False
     return (
         _LINEAR_POINTWISE is not None
-        and os.environ.get("ROFORMER_ROPE_ONEDNN_ATTENTION", "1") != "0"
+        and read_settings().onednn_attention
         and query.device.type == "cpu"
         and query.dtype == key.dtype
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)

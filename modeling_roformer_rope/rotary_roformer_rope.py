@@ -2,9 +2,9 @@
 
 Notation used in the shape comments:
     B: batch size, T: query length, N: projections rotated together (q, k [, v]), H: heads,
-    D: head size (even), D/2: rotated pairs.
+    D: rotated size (even; the head size, or the feature size of linear attention), D/2: rotated pairs.
 
-The paper (eq. 34) rotates each pair (x_{2i}, x_{2i+1}) of a query/key at position m by angle m·θ_i,
+The paper (eq. 34) rotates each pair (x_{2i}, x_{2i+1}) of a vector at position m by angle m·θ_i,
 θ_i = base^(-2i/D) (eq. 15):
     x'_{2i}   = x_{2i} cos(mθ_i) - x_{2i+1} sin(mθ_i)
     x'_{2i+1} = x_{2i+1} cos(mθ_i) + x_{2i} sin(mθ_i)
@@ -12,92 +12,100 @@ which is the complex product (x_{2i} + i·x_{2i+1}) · e^{i·mθ_i} (eq. 12). Th
 memory, so `torch.view_as_complex` reads them in place and one complex multiply rotates queries and keys
 of every head together, straight out of the fused QKV projection: in eager mode on CPU this is ~15× faster
 than the real-valued form on stride-2 views (measured at 4×512, 12 heads × 64). Under `torch.compile` /
-`torch.export` / ONNX export, where complex tensors are poorly supported and elementwise ops fuse anyway,
-the real-valued form of eq. 34 runs instead; both give the same numbers (tests check them against each
-other, a float64 complex oracle and the built-in transformers implementation).
+`torch.export` / ONNX export, where complex tensors are poorly supported, the real-valued form of eq. 34
+must run instead; both give the same numbers (tests check them against each other, a float64 complex oracle
+and the built-in transformers implementation). Which form runs where is decided by the caller
+(`onednn_roformer_rope.rotate`); the functions here are pure math.
+
+Frequencies: `rope_parameters["rope_type"]` "default" is eq. 15; "linear" and "dynamic" come from
+transformers' own `ROPE_INIT_FUNCTIONS` (the same formulas Llama & co. use), computed for dimension D.
 """
+
+import copy
 
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .linear_roformer_rope import tracing
 
-
-def rotary_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+def rotary_inv_freq(dim: int, base: float) -> torch.Tensor:
     """θ_i = base^(-2i/D) for i = 0..D/2-1 (paper eq. 15), float32, shape (D/2,)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
     return 1.0 / (base**exponents)
+
+
+def _config_for_dim(config, dim: int):
+    """A shallow copy of `config` whose `head_dim` is `dim`: transformers' rope functions read the size there."""
+    if config.head_dim == dim:
+        return config
+    proxy = copy.copy(config)
+    object.__setattr__(proxy, "head_dim", dim)  # bypass @strict: a throwaway view, never validated or saved
+    return proxy
 
 
 class RoFormerRopeRotaryEmbedding(nn.Module):
     """Computes cos/sin of m·θ_i for the actual positions, once per forward, in float32.
 
-    No position table: any position (and any length) works. `rope_scaling` stretches positions
-    (`linear`: m/f) or, once the sequence outgrows `max_position_embeddings`, raises the base
-    (`dynamic`, NTK-aware: base·(f·T/L - (f-1))^(D/(D-2))) so the lowest frequencies cover the new length.
+    No position table: any position (and any length) works. `dim` is the rotated size (default: the head
+    size; linear attention may rotate feature vectors of another size). `rope_type` "linear" stretches
+    positions (θ_i / f), "dynamic" raises the base once the sequence outgrows `max_position_embeddings`
+    (NTK-aware: base·(f·T/L - (f-1))^(D/(D-2))) so the lowest frequencies cover the new length.
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, dim: int | None = None) -> None:
         super().__init__()
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.base = float(config.rope_theta)
-        scaling = config.rope_scaling or {}
-        self.scaling_type = scaling.get("type", scaling.get("rope_type"))
-        self.scaling_factor = float(scaling.get("factor", 1.0))
+        self.config = config
+        self.head_dim = dim or config.head_dim  # the rotated size D (name kept: it is the head size by default)
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
         self.original_max_positions = config.max_position_embeddings
-        self.register_buffer("inv_freq", rotary_inv_freq(self.head_dim, self.base), persistent=False)
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
-    def _inv_freq_for(self, max_position: int) -> torch.Tensor:
-        if self.scaling_type == "dynamic" and max_position > self.original_max_positions:
-            f, length, d = self.scaling_factor, self.original_max_positions, self.head_dim
-            base = self.base * ((f * max_position / length) - (f - 1)) ** (d / (d - 2))
-            return rotary_inv_freq(d, base).to(self.inv_freq.device)
+    def compute_inv_freq(self, seq_len: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+        """(D/2,) float32 frequencies; `seq_len` matters for "dynamic" only."""
+        if self.rope_type == "default":
+            return rotary_inv_freq(self.head_dim, float(self.config.rope_parameters["rope_theta"])).to(device)
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[self.rope_type](
+            _config_for_dim(self.config, self.head_dim), device, seq_len=seq_len
+        )  # attention factor: 1.0 for "linear" and "dynamic"
+        return inv_freq.float()
+
+    def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.rope_type == "dynamic":
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.original_max_positions:
+                return self.compute_inv_freq(seq_len, self.inv_freq.device)
         return self.inv_freq
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids: (B or 1, T) integers → (cos, sin), each (B or 1, T, D/2) float32."""
-        positions = position_ids.to(torch.float32)
-        if self.scaling_type == "linear":
-            positions = positions / self.scaling_factor
-        inv_freq = self._inv_freq_for(int(position_ids.max()) + 1 if self.scaling_type == "dynamic" else 0)
         # The angles m·θ_i are formed in float32 whatever the model dtype: at m ~ 10^4 a bf16 angle would be
         # off by whole radians.
-        angles = positions[..., None] * inv_freq.float()  # (B, T, D/2)
+        angles = position_ids.to(torch.float32)[..., None] * self._inv_freq_for(position_ids).float()  # (B, T, D/2)
         return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of `x` (paper eq. 34); angles and products in float32.
-
-    x: (B, T, N, H, D), e.g. the q/k slice of a (B, T, 3, H, D) fused projection (any strides with a unit
-    last stride); cos, sin: (B or 1, T, D/2) float32 → (B, T, N, H, D) contiguous, dtype of `x`.
-    """
-    cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # (B, T, 1, 1, D/2): broadcast over N and H
-    if tracing():
-        return apply_rotary_real(x, cos, sin)
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, N, H, D/2) complex, no copy in fp32
-    rotated = torch.view_as_real(pairs * torch.complex(cos, sin))  # (B, T, N, H, D/2, 2)
-    return rotated.flatten(-2).to(x.dtype)  # (B, T, N, H, D)
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Eq. 34 as one complex multiply: x (..., D) any strides with a unit last stride; cos, sin float32
+    broadcastable to (..., D/2) → (..., D) contiguous, dtype of `x`; products in float32."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (..., D/2) complex, no copy in fp32
+    rotated = torch.view_as_real(pairs * torch.complex(cos, sin))  # (..., D/2, 2)
+    return rotated.flatten(-2).to(x.dtype)  # (..., D)
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` in place for float32 `x` (inference): rotates x's own memory and returns x.
-
-    Saves allocating (and paging in) a (B, T, N, H, D) copy on every layer. Other dtypes and tracing
-    (compile / export / ONNX) fall back to the out-of-place form and return a new tensor.
-    """
-    if x.dtype != torch.float32 or tracing():
-        return apply_rotary(x, cos, sin)
-    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, N, H, D/2) complex view of x
-    pairs.mul_(torch.complex(cos, sin)[:, :, None, None])  # × e^{i·m·θ}, broadcast over N and H
+def rotate_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_pairs` in x's own memory (float32 `x` only; other dtypes get the out-of-place form)."""
+    if x.dtype != torch.float32:
+        return rotate_pairs(x, cos, sin)
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (..., D/2) complex view of x
+    pairs.mul_(torch.complex(cos, sin))  # × e^{i·m·θ}
     return x
 
 
 def apply_rotary_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Eq. 34 with real tensors: x·cos + rot(x)·sin, rot(x) = (-x_1, x_0, -x_3, x_2, ...).
 
-    x: (..., D); cos, sin broadcastable to (..., D/2) → (..., D), dtype of `x`.
+    x: (..., D); cos, sin broadcastable to (..., D/2) → (..., D), dtype of `x`. Traceable by compile/export.
     """
     pairs = x.float().unflatten(-1, (-1, 2))  # (..., D/2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]  # (..., D/2) each
@@ -105,4 +113,28 @@ def apply_rotary_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return rotated.flatten(-2).to(x.dtype)  # (..., D)
 
 
-__all__ = ["RoFormerRopeRotaryEmbedding", "apply_rotary", "apply_rotary_", "apply_rotary_real", "rotary_inv_freq"]
+def per_head(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, D/2) angles → (B, T, 1, 1, D/2): broadcast over the N projections and H heads of a fused QKV."""
+    return cos[:, :, None, None], sin[:, :, None, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the (B, T, N, H, D) slice of a fused projection; cos, sin: (B or 1, T, D/2) → (B, T, N, H, D)."""
+    return rotate_pairs(x, *per_head(cos, sin))
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in place for float32 `x` (inference): rotates x's own memory and returns x."""
+    return rotate_pairs_(x, *per_head(cos, sin))
+
+
+__all__ = [
+    "RoFormerRopeRotaryEmbedding",
+    "apply_rotary",
+    "apply_rotary_",
+    "apply_rotary_real",
+    "per_head",
+    "rotary_inv_freq",
+    "rotate_pairs",
+    "rotate_pairs_",
+]

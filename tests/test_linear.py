@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from modeling_roformer_rope import linear_roformer_rope as lin
+from modeling_roformer_rope import onednn_roformer_rope as lin
 
 needs_onednn = pytest.mark.skipif(lin._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
 
@@ -57,7 +57,7 @@ def test_falls_back_for_other_dtypes_and_under_compile():
 
 
 def test_environment_switch_disables_onednn():
-    probe = "from modeling_roformer_rope import linear_roformer_rope as l; print(l._LINEAR_POINTWISE is None)"
+    probe = "from modeling_roformer_rope import onednn_roformer_rope as l; print(l._LINEAR_POINTWISE is None)"
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, env={"ROFORMER_ROPE_ONEDNN": "0", "PATH": ""}
     )

@@ -7,7 +7,7 @@ import transformers
 
 import modeling_roformer_rope as rr
 from conftest import builtin_model, padded_batch, tiny_config
-from modeling_roformer_rope import modeling_roformer_rope as modeling
+from modeling_roformer_rope import attention_roformer_rope as attention
 from modeling_roformer_rope import onednn_attention_roformer_rope as oa
 from roformer_rope.conversion.from_transformers import convert_model
 
@@ -197,7 +197,7 @@ def counted(monkeypatch):
         calls.append((args[1].shape, args[4] is None))  # (query shape, whether the mask was None)
         return oa.onednn_attention_forward(*args, **kwargs)
 
-    monkeypatch.setattr(modeling, "onednn_attention_forward", spy)
+    monkeypatch.setattr(attention, "onednn_attention_forward", spy)
     return calls
 
 

@@ -1,0 +1,156 @@
+"""Self-attention of RoFormer with rotary position embedding, and the one place that picks how it is computed.
+
+`attention_class(config, layer_idx)` maps a layer to its module: softmax attention (paper eq. 2 with eq. 34's
+rotary queries/keys), or linear attention (eq. 19) / Performer FAVOR+ from `linear_attention_roformer_rope.py`.
+For softmax layers, `softmax_attention_function(config)` maps `config._attn_implementation` to a function of
+the transformers attention interface: `eager` (below), `flash_attention_*` and `flex_attention` from
+`ALL_ATTENTION_FUNCTIONS`, and `sdpa`, which on CPU inference with long inputs runs our exact blocked kernel
+(`onednn_attention_roformer_rope.py`) and otherwise `F.scaled_dot_product_attention`.
+
+Shapes: B batch, T queries, S keys (past + T with a cache), H heads, D head size.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+
+from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward
+from .onednn_roformer_rope import RoFormerRopeLinear, rotate_qkv
+
+
+def unilm_mask_function(token_type_ids: torch.Tensor) -> Callable:
+    """UniLM (RoFormer-Sim): query i sees key j iff cumsum(token_type_ids)[j] <= cumsum(token_type_ids)[i].
+
+    Bidirectional inside segment 0, causal over segment 1. The returned function follows the
+    transformers mask-function protocol (batch, head, q_idx, kv_idx) -> bool.
+    """
+    segment_rank = token_type_ids.cumsum(dim=-1)  # (B, T)
+
+    def mask(batch_idx, head_idx, q_idx, kv_idx):
+        return segment_rank[batch_idx, kv_idx] <= segment_rank[batch_idx, q_idx]
+
+    return mask
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax in float32 so fp16/bf16 rows never overflow.
+
+    `attention_mask` as SDPA reads it: bool keeps True positions (a fully masked row gives zeros), a float
+    mask is added to the scores.
+    """
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attn_weights = attn_weights.float().masked_fill(attention_mask.logical_not(), float("-inf"))
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1).nan_to_num_(0.0).to(query.dtype)
+    else:
+        if attention_mask is not None:
+            attn_weights = attn_weights + attention_mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
+
+
+def sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there)."""
+    if onednn_attention_applies(query, key, attention_mask, dropout, value):
+        return onednn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+
+
+def softmax_attention_function(config) -> Callable:
+    """The attention-interface function for `config._attn_implementation`."""
+    if config._attn_implementation == "sdpa":
+        return sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+
+
+class RoFormerRopeSelfAttention(nn.Module):
+    """Multi-head softmax self-attention with rotary queries/keys (and values when `rotary_value`).
+
+    One fused QKV projection (a single GEMM instead of three); queries and keys (and values) are rotated
+    together straight from its output, and handed to the attention backend as strided views.
+    """
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.rotary_value = config.rotary_value
+        # SDPA reads this flag: an encoder (and the UniLM mask, always materialised) must not be causal.
+        self.is_causal = bool(config.is_decoder)
+        self.qkv = RoFormerRopeLinear(config.hidden_size, 3 * config.hidden_size, bias=config.use_bias)
+        self.o_proj = RoFormerRopeLinear(config.hidden_size, config.hidden_size, bias=config.use_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, _ = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
+        query, key, value = rotate_qkv(qkv, *position_embeddings, self.rotary_value, self.qkv)  # 3 × (B, T, H, D)
+        # (B, H, T, D) views: SDPA on CPU reads these strides directly and writes (B, T, H, D) memory.
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
+
+        attn_output, attn_weights = softmax_attention_function(self.config)(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(B, T, -1)  # (B, T, H·D)
+        return self.o_proj(attn_output), attn_weights
+
+
+def attention_class(config, layer_idx: int) -> type[nn.Module]:
+    """The attention module of layer `layer_idx`: by `config.layer_types`, else `config.attention_type`."""
+    kind = config.attention_kind(layer_idx)
+    if kind == "softmax":
+        return RoFormerRopeSelfAttention
+    raise NotImplementedError(f"attention_type {kind!r} is not wired into the model yet")
+
+
+__all__ = [
+    "RoFormerRopeSelfAttention",
+    "attention_class",
+    "eager_attention_forward",
+    "sdpa_attention_forward",
+    "softmax_attention_function",
+    "unilm_mask_function",
+]

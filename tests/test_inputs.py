@@ -1,0 +1,109 @@
+"""Inputs mean one thing on every backend, and malformed inputs fail with a clear error (issue 15 item 8)."""
+
+import pytest
+import torch
+
+import modeling_roformer_rope as rr
+from conftest import padded_batch, randomise_, tiny_config
+
+LONG = 420  # long enough that "sdpa" routes CPU inference to the oneDNN kernel
+
+
+def model_of(**overrides):
+    torch.manual_seed(0)
+    return randomise_(rr.RoFormerRopeModel(tiny_config(**overrides)).eval())
+
+
+def run(model, attn, **inputs):
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        return model(**inputs).last_hidden_state
+
+
+def explicit_mask(batch) -> torch.Tensor:
+    """A (B, 1, T, T) bool mask: padding keys dropped, plus a band so it is not a plain padding mask."""
+    keep = batch["attention_mask"].bool()  # (B, T)
+    T = keep.shape[1]
+    band = (torch.arange(T)[:, None] - torch.arange(T)[None]).abs() <= 5  # (T, T)
+    return keep[:, None, None, :] & band[None, None]
+
+
+def reference(model, batch, mask4d: torch.Tensor) -> torch.Tensor:
+    """The same model with the bool mask turned into an additive float mask by hand (an independent reading)."""
+    additive = torch.zeros(mask4d.shape).masked_fill(~mask4d, torch.finfo(torch.float32).min)
+    return run(model, "eager", input_ids=batch["input_ids"], attention_mask=additive)
+
+
+@pytest.mark.parametrize("seq_len", [10, LONG])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bool_4d_mask_is_honoured_by_every_backend(attn, seq_len):
+    model = model_of()
+    batch = padded_batch(seq_len=seq_len)
+    mask = explicit_mask(batch)
+    expected = reference(model, batch, mask)
+    got = run(model, attn, input_ids=batch["input_ids"], attention_mask=mask)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+    plain = run(model, attn, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert not torch.allclose(got[valid], plain[valid], atol=1e-3)  # the band really changed the result
+
+
+@pytest.mark.parametrize("seq_len", [10, LONG])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_integer_4d_mask_is_refused_at_every_length(attn, seq_len):
+    model = model_of()
+    batch = padded_batch(seq_len=seq_len)
+    model.set_attn_implementation(attn)
+    with pytest.raises(ValueError, match="4-D attention_mask must be bool .* or floating point"):
+        model(input_ids=batch["input_ids"], attention_mask=explicit_mask(batch).long())
+
+
+@pytest.mark.parametrize(
+    "mask_shape, message",
+    [
+        ((2, 11), r"attention_mask shape \(2, 11\) must be \(batch, past \+ seq_len\) = \(2, 12\)"),
+        ((1, 12), r"attention_mask shape \(1, 12\)"),
+        ((2, 1, 12, 11), r"4-D attention_mask shape \(2, 1, 12, 11\) must be"),
+        ((3, 1, 12, 12), r"4-D attention_mask shape \(3, 1, 12, 12\)"),
+        ((2, 12, 12), "must be 2-D .* or 4-D"),
+    ],
+)
+def test_wrongly_shaped_masks_raise_instead_of_broadcasting(mask_shape, message):
+    model = model_of()
+    batch = padded_batch()
+    with pytest.raises(ValueError, match=message):
+        model(input_ids=batch["input_ids"], attention_mask=torch.ones(mask_shape, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0)])
+def test_empty_inputs_say_what_is_wrong(shape):
+    with pytest.raises(ValueError, match=rf"empty input: .* got shape \({shape[0]}, {shape[1]}\)"):
+        model_of()(input_ids=torch.ones(shape, dtype=torch.long))
+
+
+def test_other_bad_inputs():
+    model = model_of()
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(input_ids=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="position_ids shape"):
+        model(input_ids=torch.ones(2, 5, dtype=torch.long), position_ids=torch.arange(4)[None])
+    with pytest.raises(ValueError, match="inputs_embeds must have shape"):
+        model(inputs_embeds=torch.ones(5, 32))
+
+
+def test_4d_mask_needs_an_eager_or_sdpa_backend():
+    model = model_of()
+    batch = padded_batch()
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="needs attn_implementation 'eager' or 'sdpa'"):
+        model(input_ids=batch["input_ids"], attention_mask=explicit_mask(batch))
+
+
+def test_2d_masks_of_any_dtype_mean_keep_or_drop():
+    model = model_of()
+    batch = padded_batch()
+    expected = run(model, "sdpa", input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    valid = batch["attention_mask"].bool()
+    for dtype in (torch.bool, torch.int32, torch.float32):
+        got = run(model, "sdpa", input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].to(dtype))
+        torch.testing.assert_close(got[valid], expected[valid], atol=1e-6, rtol=1e-6)
