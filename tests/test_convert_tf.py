@@ -76,17 +76,31 @@ def _block(entries: list[tuple[bytes, bytes]]) -> bytes:
     return body + struct.pack("<II", 0, 1)
 
 
-def write_checkpoint(prefix: Path, variables: dict[str, np.ndarray]) -> None:
-    """Write float32 `variables` as a one-shard TF V2 checkpoint (tensor bundle), as tf.train.Saver lays it out."""
+_TF_DTYPES = {np.dtype("int32"): (3, "<i4"), np.dtype("int64"): (9, "<i8"), np.dtype("bool"): (10, "?")}
+
+
+def write_checkpoint(
+    prefix: Path, variables: dict[str, np.ndarray], claimed_shapes: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """Write `variables` as a one-shard TF V2 checkpoint (tensor bundle), as tf.train.Saver lays it out.
+
+    Floats are written as float32, int32/int64/bool as themselves. `claimed_shapes` makes the index
+    claim another shape (and the matching byte size) than the data holds: a crafted index.
+    """
     data, entries = bytearray(), []
+    claimed_shapes = claimed_shapes or {}
     for name in sorted(variables):
-        raw = np.ascontiguousarray(variables[name], dtype="<f4").tobytes()
-        shape = b"".join(_pb_bytes(2, _pb_varint(1, d)) for d in np.shape(variables[name]))
+        value = np.asarray(variables[name])
+        dtype_enum, layout = _TF_DTYPES.get(value.dtype, (1, "<f4"))  # 1 = DT_FLOAT
+        raw = np.ascontiguousarray(value, dtype=layout).tobytes()
+        dims = claimed_shapes.get(name, np.shape(value))
+        size = int(np.prod(dims, dtype=object)) * np.dtype(layout).itemsize if name in claimed_shapes else len(raw)
+        shape = b"".join(_pb_bytes(2, _pb_varint(1, d)) for d in dims)
         entry = (
-            _pb_varint(1, 1)  # DT_FLOAT
+            _pb_varint(1, dtype_enum)
             + _pb_bytes(2, shape)
             + _pb_varint(4, len(data))
-            + _pb_varint(5, len(raw))
+            + _pb_varint(5, size)
             + _varint(6 << 3 | 5)
             + struct.pack("<I", mask_crc(crc32c(raw)))
         )
