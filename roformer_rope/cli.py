@@ -50,9 +50,9 @@ COMMANDS: dict[str, Command] = {
     "finetune": Command("roformer_rope.scripts.finetune", "fine-tune a RoFormerRope model with the Trainer"),
     "quickstart": Command("roformer_rope.scripts.quickstart", "the `make quickstart` job on the embedded defaults"),
 }
-SUBCOMMANDS = {name: (command.module, command.help) for name, command in COMMANDS.items()}  # the old name
 
-# Import name of an optional dependency → (pip package, roformer-rope extra that installs it).
+# Import name of an optional dependency → (pip package, roformer-rope extra that installs it; setup.cfg).
+# Any other missing package is named with a plain `pip install NAME`.
 OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "train"),
     "datasets": ("datasets", "train"),
@@ -62,8 +62,6 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "snownlp": ("snownlp", "corpus"),
     "rjieba": ("rjieba", "jieba"),
     "jieba": ("jieba", "jieba"),
-    "evaluate": ("evaluate", "train"),
-    "sklearn": ("scikit-learn", "train"),
 }
 DEBUG_ENV = "ROFORMER_ROPE_DEBUG"
 
@@ -80,10 +78,14 @@ def _import_command(name: str):
         missing = error.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
             raise CommandUnavailable(f"not part of this installation ({module_name} is missing)") from None
-        top = missing.split(".")[0]
-        package, extra = OPTIONAL_PACKAGES.get(top, (top, None))
-        hint = f"pip install 'roformer-rope[{extra}]'" if extra else f"pip install {package}"
-        raise CommandUnavailable(f"needs the package '{package}', which is not installed ({hint})") from None
+        raise CommandUnavailable(_missing_package(missing)) from None
+
+
+def _missing_package(module_name: str) -> str:
+    top = module_name.split(".")[0]
+    package, extra = OPTIONAL_PACKAGES.get(top, (top, None))
+    hint = f"pip install 'roformer-rope[{extra}]'" if extra else f"pip install {package}"
+    return f"needs the package '{package}', which is not installed ({hint})"
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -142,6 +144,8 @@ def describe_error(error: BaseException) -> str:
     elif isinstance(error, OSError) and error.filename is not None:
         target = f" -> {error.filename2}" if error.filename2 is not None else ""
         text = f"{error.filename}{target}: {error.strerror or error}"
+    elif isinstance(error, ModuleNotFoundError) and error.name:  # an optional package imported late
+        text = _missing_package(error.name)
     elif isinstance(error, MemoryError):
         text = "out of memory (a corrupt input claiming a huge tensor?)"
     elif isinstance(error, (ValueError, OSError, ImportError, CommandUnavailable)):

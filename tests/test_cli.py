@@ -72,6 +72,8 @@ def fake_commands(tmp_path, monkeypatch):
                 if args.kind == "safetensors":
                     from safetensors import SafetensorError
                     raise SafetensorError("Error while deserializing header: MetadataIncompleteBuffer")
+                if args.kind == "late-import":
+                    import datasets_absent_here  # noqa: F401
                 if args.kind == "interrupt":
                     raise KeyboardInterrupt
                 return 0
@@ -179,6 +181,7 @@ def test_main_protocol_gets_every_argument_untouched(fake_commands, capsys):
         ("attribute", ["AttributeError", "--debug"]),
         ("value", ["config.json: hidden_act 'nope' is unknown second line"]),
         ("safetensors", ["corrupt or truncated safetensors file", "MetadataIncompleteBuffer"]),
+        ("late-import", ["needs the package 'datasets_absent_here'", "pip install datasets_absent_here"]),
     ],
 )
 def test_every_failure_is_one_line_with_exit_code_2(fake_commands, capsys, monkeypatch, kind, fragments):
