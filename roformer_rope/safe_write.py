@@ -20,7 +20,8 @@ The promise, for folders and single files alike:
   fails for any reason (KeyboardInterrupt included) the old folder is renamed back. A file swap is one
   atomic `os.replace`. The old output is never deleted before the new one is in place. Ctrl-C arriving
   during the swap (main thread) is held until the swap is complete, then raised.
-- **Nothing left behind**: the temporary is removed on failure, the set-aside old output after success.
+- **Nothing left behind**: the temporary (and any parent folder created for `out`) is removed on
+  failure, the set-aside old output after success.
 - **Shareable**: the output gets the modes a plain `mkdir`/`open` would give under the current umask
   (0755 folders, 0644 files under umask 022), not `mkdtemp`'s owner-only 0700/0600 — also for files the
   caller's writer created owner-only.
@@ -128,6 +129,19 @@ def _share(root: Path) -> None:
         path.chmod((0o777 if executable else 0o666) & ~mask)
 
 
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p `folder`; returns the folders it created, outermost first (removed again on failure)."""
+    missing = [p for p in [folder, *folder.parents] if not os.path.lexists(p)][::-1]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def _sibling(out: Path, tag: str) -> Path:
     """An unused hidden name next to `out` (`.NAME.tmp-XXXXXXXX`), not created."""
     while True:
@@ -227,10 +241,10 @@ def safe_output_folder(
     `out` is left exactly as it was. See the module docstring for the checks and the modes.
     """
     path = check_output(out, overwrite=overwrite, sources=sources, what=what, folder=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    created = _make_parents(path.parent)
     tmp = _sibling(path, "tmp")
-    tmp.mkdir()  # mode 0777 & ~umask, like any mkdir
     try:
+        tmp.mkdir()  # mode 0777 & ~umask, like any mkdir
         yield tmp
         _share(tmp)
         with _interrupts_held():
@@ -238,6 +252,7 @@ def safe_output_folder(
     except BaseException:
         with _interrupts_held():
             _remove_leftover(tmp, "temporary folder")
+            _remove_empty(created)
         raise
 
 
@@ -250,10 +265,10 @@ def safe_output_file(
     On any exception the temp file is removed and an existing `out` is untouched.
     """
     path = check_output(out, overwrite=overwrite, sources=sources, what=what, folder=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    created = _make_parents(path.parent)
     tmp = _sibling(path, "tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0666 & ~umask, like open()
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0666 & ~umask, like open()
         yield tmp
         _share(tmp)
         with _interrupts_held():
@@ -261,4 +276,5 @@ def safe_output_file(
     except BaseException:
         with _interrupts_held():
             _remove_leftover(tmp, "temporary file")
+            _remove_empty(created)
         raise

@@ -107,6 +107,17 @@ def test_exception_in_the_block_keeps_the_old_output(tmp_path, old_out):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_failure_removes_the_parent_folders_it_created(tmp_path):
+    with pytest.raises(RuntimeError):
+        with safe_output_folder(tmp_path / "new" / "deep" / "out") as tmp:
+            write_new(tmp)
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        with safe_output_file(tmp_path / "a" / "vocab.txt") as tmp:
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
 @pytest.mark.parametrize("failing_call", [1, 2], ids=["set-aside", "swap-in"])
 def test_failure_or_interrupt_at_each_rename_restores_the_old_output(
