@@ -1,0 +1,438 @@
+"""Linear attention with rotary position embedding (RoFormer eq. 19) and Performer FAVOR+ features.
+
+Pure functions; the caller computes feature maps and rotations, the kernels only contract them.
+
+Shapes: B batch, H heads, T queries, S keys, N tokens (T or S), D head size, F feature dim (even when
+rotated), Dv value dim, C chunk length, n = ⌈T/C⌉ chunks.
+
+RoFormer eq. 19 (Su et al. 2021, §3.3) with a non-negative feature map φ and rotation R_m (eq. 13/34):
+
+    Attn_i = Σ_j (R_i φ(q_i))ᵀ (R_j φ(k_j)) v_j  /  Σ_j φ(q_i)ᵀ φ(k_j)
+
+The rotation goes in the numerator only: the unrotated denominator is a sum of non-negative terms.
+Both sums are linear in the keys, so they are computed from S = Σ_j (R_j φ(k_j)) v_jᵀ (F, Dv) and
+z = Σ_j φ(k_j) (F,) in O(N·F·Dv) (eq. 19's linear-time form); causal attention uses prefix sums of the
+same quantities, computed per chunk (`_causal_attention`), and generation carries (S, z) as a constant-size
+state (`linear_attention_step`). With no rotation (q_feat_rot = k_feat_rot = None) this is plain linear
+attention (Katharopoulos et al. 2020) or, with FAVOR+ features of rotated q, k, the Performer with RoPE
+applied before the feature map (the paper's §4.4 experiment).
+
+FAVOR+ (Choromanski et al. 2021, "Rethinking attention with Performers", Lemma 1, positive random
+features): for w ~ N(0, I_D), exp(xᵀy) = E_w[exp(wᵀx − |x|²/2) · exp(wᵀy − |y|²/2)], so
+φ(x) = exp(Wx − |x|²/2)/√M with M rows w (orthogonal within blocks of D, norms χ_D-distributed, §2.4)
+gives an unbiased positive estimate of the softmax kernel exp(qᵀk·scale) for x = q·√scale, y = k·√scale.
+
+Precision: every feature map, sum, prefix sum and the normaliser runs in float32 (float64 for float64
+inputs) with autocast disabled, whatever the input dtype; the output is rounded once to value's dtype.
+
+Stabiliser (FAVOR+ only): exp(Wx − |x|²/2) underflows float32 for large |x| (every feature of a token
+becomes 0, and out = 0/0) and can overflow for large Wx. `favor_plus_features`
+returns features divided by a per-token factor, feat = exp(Wx − max_f(Wx)) ∈ (0, 1]/√M, together with its
+log, log_scale = max_f(Wx) − |x|²/2, so the true features are feat · exp(log_scale). Who uses what:
+  * queries: drop log_scale. A factor per query row multiplies numerator and denominator alike and cancels.
+  * keys: pass log_scale as `k_log_scale`. The kernels multiply key features by exp(log_scale − c), with
+    c the maximum of log_scale over the unmasked keys of each (batch, head): one constant for all keys of
+    a (b, h), so it cancels between numerator and denominator, and every factor is ≤ 1 (no overflow).
+  * generation: the state keeps c as a running maximum; when a new key raises it, (S, z) are rescaled by
+    exp(c_old − c_new) ≤ 1 before the new keys are added, so token-by-token equals the parallel form.
+  The maxima are detached: they cancel exactly, so their gradient is zero. What remains is float32's
+  range: keys whose log_scale lies > ~87 below the maximum of their (b, h) underflow to zero features.
+
+Division guard: out = num / den where den > eps, else 0. den is a sum of non-negative terms, so without
+rotation |out| ≤ max|v| for any den > 0; eps only keeps 0/0 (a fully padded row, all-zero relu
+features) and denormals out, and those rows give zeros like SDPA's fully masked rows. eps is tiny by
+default (1e-30; float32's normal range ends at 1.2e-38) because FAVOR+'s stabilised denominators can be
+legitimately small.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# log_scale of "no key yet" / masked keys: far below any real one, finite so that differences stay finite
+EMPTY_LOG_SCALE = -1e30
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_EPS = 1e-30
+# tokens per block of the causal form (temporaries ∝ block: a few MiB, cache-resident)
+_CAUSAL_BLOCK = 1024
+
+
+def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32: the dtype every sum and normaliser runs in."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Feature maps: x (..., N, D) → φ(x) (..., N, F) in float32 (float64 for float64 x)
+# ----------------------------------------------------------------------------------------------------
+
+
+def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """φ(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020, eq. 7; the paper's choice for eq. 19). F = D."""
+    return F.elu(x.to(_acc_dtype(x))).add_(1)  # in place: elu's backward reads its input, not its output
+
+
+def relu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """φ(x) = relu(x) ≥ 0. F = D. May be all zero for a token: such rows hit the division guard."""
+    return F.relu(x.to(_acc_dtype(x)))
+
+
+def gaussian_orthogonal_random_matrix(
+    nb_features: int,
+    dim: int,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W (M = nb_features, D = dim): FAVOR+'s orthogonal random features (Choromanski et al. 2021, §2.4).
+
+    Rows come in blocks of D mutually orthogonal directions (Q of the QR decomposition of a Gaussian
+    matrix, signs fixed by diag(R) so Q is Haar-distributed); each row is then scaled to the norm of an
+    independent N(0, I_D) vector (χ_D-distributed), so every row is marginally N(0, I_D), as Lemma 1
+    needs. Drawn in float64 on the CPU from `generator` (a CPU generator), so the same seed gives the
+    same matrix on every device; then moved to `device`, `dtype`.
+    """
+    if nb_features < 1 or dim < 1:
+        raise ValueError(f"gaussian_orthogonal_random_matrix: nb_features {nb_features} and dim {dim} must be ≥ 1")
+    n_blocks = -(-nb_features // dim)
+    gaussian = torch.randn(n_blocks, dim, dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)  # (blocks, D, D)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar measure: signs from diag(R)
+    directions = q.transpose(-1, -2).reshape(n_blocks * dim, dim)[:nb_features]  # (M, D), rows orthonormal per block
+    norms = torch.randn(nb_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return (directions * norms).to(device=device, dtype=dtype)  # (M, D)
+
+
+def favor_plus_features(
+    x: torch.Tensor, projection: torch.Tensor, *, softmax_scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FAVOR+ positive random features of x (..., N, D) for the softmax kernel exp(softmax_scale · qᵀk).
+
+    projection: W (M, D) from `gaussian_orthogonal_random_matrix`; softmax_scale defaults to D^-1/2
+    (standard attention), applied as x' = x · softmax_scale^(1/2) on both queries and keys (D^-1/4 each).
+
+    Returns (features (..., N, M), log_scale (..., N)), float32 (float64 for float64 x), with
+        φ(x) = exp(W x' − |x'|²/2) / √M = features · exp(log_scale)          (Lemma 1, positive features)
+        features = exp(W x' − max_f (W x')_f) / √M ∈ (0, 1/√M],   log_scale = max_f (W x')_f − |x'|²/2.
+    Queries drop log_scale (a per-row factor cancels); keys pass it to the kernels as `k_log_scale`.
+    The max is detached (used identically in both factors, so gradients are exact).
+    """
+    M, D = projection.shape
+    if x.shape[-1] != D:
+        raise ValueError(f"favor_plus_features: x has {x.shape[-1]} dims, projection expects {D}")
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    dtype = _acc_dtype(x)
+    with _no_autocast(x.device):
+        x = x.to(dtype) * math.sqrt(scale)  # (..., N, D)  x' = x · scale^(1/2)
+        wx = torch.matmul(x, projection.to(device=x.device, dtype=dtype).T)  # (..., N, M)  W x'
+        wx_max = wx.amax(dim=-1, keepdim=True).detach()  # (..., N, 1)
+        features = torch.exp(wx - wx_max) * M**-0.5  # (..., N, M)
+        log_scale = wx_max.squeeze(-1) - 0.5 * x.square().sum(dim=-1)  # (..., N)   − |x'|²/2
+    return features, log_scale
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+class LinearAttentionState(NamedTuple):
+    """Constant-size generation state of one attention layer (a tuple: caches may store its fields).
+
+    kv: S = Σ_j (R_j φ(k_j)) v_jᵀ · exp(−log_scale), (B, H, F, Dv)
+    k_sum: z = Σ_j φ(k_j) · exp(−log_scale), (B, H, F)
+    log_scale: running maximum of the keys' log scales, (B, H) (0 once a key was seen when the features
+        carry no log scale; EMPTY_LOG_SCALE before any key)
+    """
+
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+    log_scale: torch.Tensor
+
+
+def initial_state(
+    batch: int,
+    heads: int,
+    features: int,
+    value_dim: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LinearAttentionState:
+    """The empty state (no key seen yet). dtype: float32 (float64 for float64 inputs)."""
+    return LinearAttentionState(
+        kv=torch.zeros(batch, heads, features, value_dim, device=device, dtype=dtype),
+        k_sum=torch.zeros(batch, heads, features, device=device, dtype=dtype),
+        log_scale=torch.full((batch, heads), EMPTY_LOG_SCALE, device=device, dtype=dtype),
+    )
+
+
+def _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log_scale, name: str) -> None:
+    B, H, T, Fq = q_feat.shape
+    S = k_feat.shape[2]
+    ok = (
+        k_feat.shape == (B, H, S, Fq)
+        and value.shape[:3] == (B, H, S)
+        and (q_feat_rot is None or q_feat_rot.shape == q_feat.shape)
+        and (k_feat_rot is None or k_feat_rot.shape == k_feat.shape)
+        and (key_mask is None or key_mask.shape == (B, S))
+    )
+    if not ok:
+        raise ValueError(
+            f"{name}: q_feat {tuple(q_feat.shape)}, k_feat {tuple(k_feat.shape)}, value {tuple(value.shape)}, "
+            f"key_mask {None if key_mask is None else tuple(key_mask.shape)} must be (B, H, T, F), (B, H, S, F), "
+            "(B, H, S, Dv), (B, S); rotated features as their unrotated ones"
+        )
+    if k_log_scale is not None and k_log_scale.dim() != 3:
+        raise ValueError(f"{name}: k_log_scale must broadcast to (B, H, S), got {tuple(k_log_scale.shape)}")
+
+
+def _prepare_keys(
+    k_feat: torch.Tensor,
+    k_feat_rot: torch.Tensor | None,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    k_log_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Keys in `dtype` with padding zeroed: kf, kr (B, H, S, F) (kr None = unrotated), v (B, H, S, Dv) and the
+    log scales (B, H, S) with padding at EMPTY_LOG_SCALE (None when the features carry none)."""
+    B, H, S, _ = k_feat.shape
+    kf = k_feat.to(dtype)
+    kr = None if k_feat_rot is None else k_feat_rot.to(dtype)
+    v = value.to(dtype)
+    log_scale = None if k_log_scale is None else k_log_scale.to(dtype).expand(B, H, S)
+    if key_mask is not None:
+        keep = key_mask.to(device=kf.device, dtype=torch.bool)[:, None, :, None]  # (B, 1, S, 1)
+        # padding zeroes φ(k) in numerator and denominator; `where`, not a product: 0 · NaN = NaN
+        kf = torch.where(keep, kf, 0)
+        kr = None if kr is None else torch.where(keep, kr, 0)
+        v = torch.where(keep, v, 0)
+        if log_scale is not None:
+            log_scale = log_scale.masked_fill(~keep[..., 0], EMPTY_LOG_SCALE)
+    return kf, kr, v, log_scale
+
+
+def _chunks(x: torch.Tensor, start: int, k: int, c: int) -> torch.Tensor:
+    """Tokens start … start + k·c of x (B, H, T, X) as k chunks of c: (B·H·k, c, X), one copy at most."""
+    B, H, _, X = x.shape
+    return x[:, :, start : start + k * c].reshape(B * H * k, c, X)
+
+
+def _causal_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    qr: torch.Tensor | None,
+    kr: torch.Tensor | None,
+    v: torch.Tensor,
+    log_scale: torch.Tensor | None,
+    chunk_size: int,
+    eps: float,
+    out_dtype: torch.dtype,
+    state: LinearAttentionState | None = None,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """Causal eq. 19 by chunks: out_i = num_i / den_i, num_i = (R_iφ(q_i))ᵀ Σ_{j≤i} R_jφ(k_j) v_jᵀ,
+    den_i = φ(q_i)ᵀ Σ_{j≤i} φ(k_j), after the tokens summed in `state`.
+
+    qf, qr, kf, kr (B, H, T, F) (qr, kr None = unrotated); v (B, H, T, Dv); log_scale (B, H, T) or None
+    (`_prepare_keys`). Returns out (B, T, H, Dv) in out_dtype and the state after the last token.
+
+    Within a chunk of C tokens: the masked C×C product. Across chunks: per-chunk sums (F, Dv) turned into
+    exclusive prefix sums by a k×k strictly lower triangular matmul over the k chunks of a block, plus the
+    sums carried from earlier blocks. Blocks of ~_CAUSAL_BLOCK tokens are processed in turn, so temporaries
+    stay O(block · (C + F·Dv/C)), cache-sized: memory O(T·(F + Dv) + block·d²), never O(T·F·Dv).
+
+    With log scales, each chunk's keys are referenced to c = the running maximum of the log scales up to
+    the end of that chunk (so a query's stabiliser never depends on keys more than one chunk ahead), and
+    sums carried from an earlier reference c' are multiplied by exp(c' − c) ≤ 1.
+    """
+    B, H, T, Fd = qf.shape
+    Dv = v.shape[-1]
+    BH = B * H
+    rotated = qr is not None or kr is not None
+    qr = qf if qr is None else qr
+    kr = kf if kr is None else kr
+    if state is None:
+        state = initial_state(B, H, Fd, Dv, device=qf.device, dtype=qf.dtype)
+    kv = state.kv.to(qf.dtype).reshape(BH, Fd * Dv)  # sums so far, referenced to c_carry
+    z = state.k_sum.to(qf.dtype).reshape(BH, Fd)
+    c_carry = state.log_scale.to(qf.dtype).reshape(BH)
+    C = max(1, min(chunk_size, T))
+    K = max(1, _CAUSAL_BLOCK // C)  # chunks per block
+    out = torch.empty(B, T, H, Dv, device=qf.device, dtype=out_dtype)
+    start = 0
+    while start < T:
+        # a block of k chunks of c tokens: all whole chunks of the next K, else the ragged tail as one chunk
+        k = min(K, (T - start) // C)
+        c = C
+        if k == 0:
+            k, c = 1, T - start
+        stop = start + k * c
+        qf3, kf3, v3 = (_chunks(x, start, k, c) for x in (qf, kf, v))  # (B·H·k, c, F), (…, F), (…, Dv)
+        qr3 = _chunks(qr, start, k, c) if qr is not qf else qf3
+        kr3 = _chunks(kr, start, k, c) if kr is not kf else kf3
+        lower = torch.ones(k, k, dtype=torch.bool, device=qf.device).tril(-1)  # (k, k) chunk i' < chunk i
+        if log_scale is None:
+            earlier = lower.to(qf.dtype).expand(BH, k, k)  # (B·H, k, k)
+            carry = torch.ones(BH, k, device=qf.device, dtype=qf.dtype)  # (B·H, k)
+        else:
+            ls = log_scale[:, :, start:stop].reshape(BH, k, c)  # (B·H, k, c)
+            ref = torch.cummax(torch.maximum(ls.detach().amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k)
+            weight = torch.exp(ls - ref[..., None]).reshape(BH * k, c, 1)  # ≤ 1: keys at their chunk's reference
+            kf3 = kf3 * weight
+            kr3 = kr3 * weight if rotated else kf3
+            # sums of chunk i' seen from chunk i: × exp(ref_i' − ref_i) ≤ 1
+            earlier = torch.where(lower, torch.exp((ref[:, None, :] - ref[:, :, None]).clamp(max=0)), 0)
+            carry = torch.exp(c_carry[:, None] - ref)  # (B·H, k)
+            c_carry = ref[:, -1]
+
+        # within each chunk: Σ_{j ≤ i} (R_iφ(q_i))ᵀ(R_jφ(k_j)) v_j, the masked c×c product
+        scores = torch.bmm(qr3, kr3.transpose(1, 2)).tril_()  # (B·H·k, c, c) j ≤ i
+        num = torch.bmm(scores, v3)  # (B·H·k, c, Dv)
+        # across chunks: S before a chunk = carried sums + earlier chunks of this block
+        kv_chunk = torch.bmm(kr3.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
+        kv_prev = torch.baddbmm(carry[..., None] * kv[:, None], earlier, kv_chunk)  # (B·H, k, F·Dv)
+        num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
+        kv = kv_prev[:, -1] + kv_chunk[:, -1]  # (B·H, F·Dv)
+
+        # denominator: φ(q_i)ᵀ Σ_{j ≤ i} φ(k_j), the same two parts with unrotated features
+        if rotated:
+            scores = torch.bmm(qf3, kf3.transpose(1, 2)).tril_()  # (B·H·k, c, c)
+        z_chunk = kf3.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
+        z_prev = torch.baddbmm(carry[..., None] * z[:, None], earlier, z_chunk)  # (B·H, k, F)
+        den = scores.sum(dim=-1) + torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
+        z = z_prev[:, -1] + z_chunk[:, -1]  # (B·H, F)
+
+        out[:, start:stop] = _normalise(num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c), eps, out_dtype)
+        start = stop
+    return out, LinearAttentionState(kv.reshape(B, H, Fd, Dv), z.reshape(B, H, Fd), c_carry.reshape(B, H))
+
+
+def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """num (B, H, T, Dv) / den (B, H, T) → (B, T, H, Dv) in `dtype` (a view); rows with den ≤ eps give 0."""
+    ok = den > eps
+    inverse = torch.where(ok, 1.0 / torch.where(ok, den, 1.0), 0.0)  # inner where: no inf/NaN in backward
+    return (num * inverse.unsqueeze(-1)).to(dtype).transpose(1, 2)  # (B, T, H, Dv)
+
+
+def linear_attention(
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    q_feat_rot: torch.Tensor | None = None,
+    k_feat_rot: torch.Tensor | None = None,
+    k_log_scale: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """RoFormer eq. 19 in linear time, bidirectional or causal → (B, T, H, Dv) contiguous, in value's dtype.
+
+        out_i = Σ_j (R_iφ(q_i))ᵀ(R_jφ(k_j)) v_j / Σ_j φ(q_i)ᵀφ(k_j)      (j ≤ i when causal; then T == S)
+
+    q_feat φ(q) (B, H, T, F) ≥ 0 and k_feat φ(k) (B, H, S, F) ≥ 0 form the denominator; q_feat_rot,
+    k_feat_rot (same shapes, signed) form the numerator, None = the unrotated features (plain linear
+    attention, or Performer with RoPE before the feature map). k_log_scale (B or 1, H or 1, S): the keys'
+    true features are k_feat · exp(k_log_scale) (FAVOR+, `favor_plus_features`); None = no scale.
+    value (B, H, S, Dv). key_mask (B, S) bool, True = real token: padding adds nothing to either sum (its
+    content is never read). Sums and normaliser in float32 (float64 for float64 inputs), autocast off;
+    rows with den ≤ eps (no unmasked key, vanishing features) give zeros. chunk_size: tokens per chunk of
+    the causal form (C ≈ F is fastest; any value gives the same result).
+    """
+    _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log_scale, "linear_attention")
+    if causal and q_feat.shape[2] != k_feat.shape[2]:
+        raise ValueError(f"linear_attention: causal needs T == S, got {q_feat.shape[2]} and {k_feat.shape[2]}")
+    dtype = _acc_dtype(q_feat, k_feat, value, q_feat_rot, k_feat_rot)
+    with _no_autocast(q_feat.device):
+        qf = q_feat.to(dtype)  # (B, H, T, F)
+        qr = None if q_feat_rot is None else q_feat_rot.to(dtype)
+        kf, kr, v, log_scale = _prepare_keys(k_feat, k_feat_rot, value, key_mask, k_log_scale, dtype)
+        if causal:
+            return _causal_attention(qf, kf, qr, kr, v, log_scale, chunk_size, eps, value.dtype)[0]
+        if log_scale is not None:  # one reference per (b, h): cancels between numerator and denominator
+            weight = torch.exp(log_scale - log_scale.detach().amax(dim=-1, keepdim=True)).unsqueeze(-1)  # (B, H, S, 1)
+            kf = kf * weight
+            kr = None if kr is None else kr * weight
+        kv = torch.matmul((kf if kr is None else kr).transpose(-1, -2), v)  # (B, H, F, Dv)  S = Σ_j R_jφ(k_j)v_jᵀ
+        z = kf.sum(dim=2)  # (B, H, F)                                        z = Σ_j φ(k_j)
+        num = torch.matmul(qf if qr is None else qr, kv)  # (B, H, T, Dv)    (R_iφ(q_i))ᵀ S
+        den = torch.einsum("bhtf,bhf->bht", qf, z)  # (B, H, T)              φ(q_i)ᵀ z
+        return _normalise(num, den, eps, value.dtype).contiguous()
+
+
+def linear_attention_step(
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    value: torch.Tensor,
+    state: LinearAttentionState | None = None,
+    *,
+    q_feat_rot: torch.Tensor | None = None,
+    k_feat_rot: torch.Tensor | None = None,
+    k_log_scale: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """Causal eq. 19 for T new tokens (1 per generation step, or a prefill) after those in `state`.
+
+    Arguments as `linear_attention` with T == S (the new tokens are queries and keys; key_mask (B, T)
+    marks the new keys). state: the `LinearAttentionState` returned by the previous call, None = empty.
+    Returns (out (B, T, H, Dv), new state): the state's size is independent of how many tokens it holds,
+    and any split of a sequence into calls gives the outputs of `linear_attention(..., causal=True)`.
+    FAVOR+: pass k_log_scale on every call; the state's running maximum of the keys' log scales is raised
+    when a new key exceeds it, and (S, z) are rescaled by exp(c_old − c_new) ≤ 1 first.
+    """
+    _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log_scale, "linear_attention_step")
+    B, H, T, Fd = q_feat.shape
+    Dv = value.shape[-1]
+    if k_feat.shape[2] != T:
+        raise ValueError(f"linear_attention_step: needs as many keys as queries, got {k_feat.shape[2]} and {T}")
+    dtype = _acc_dtype(q_feat, k_feat, value, q_feat_rot, k_feat_rot)
+    with _no_autocast(q_feat.device):
+        if state is None:
+            state = initial_state(B, H, Fd, Dv, device=q_feat.device, dtype=dtype)
+        qf = q_feat.to(dtype)
+        qr = None if q_feat_rot is None else q_feat_rot.to(dtype)
+        kf, kr, v, log_scale = _prepare_keys(k_feat, k_feat_rot, value, key_mask, k_log_scale, dtype)
+        if T > 1:
+            return _causal_attention(qf, kf, qr, kr, v, log_scale, chunk_size, eps, value.dtype, state)
+        # one token, the recurrence itself: S += R_tφ(k_t) v_tᵀ, z += φ(k_t), out = (R_tφ(q_t))ᵀS / φ(q_t)ᵀz
+        kv, z, c = state.kv.to(dtype), state.k_sum.to(dtype), state.log_scale.to(dtype)  # (B,H,F,Dv), (B,H,F), (B,H)
+        if log_scale is not None:
+            ls = log_scale[:, :, 0].detach()  # (B, H)
+            c_new = torch.maximum(c, ls)  # running maximum
+            decay = torch.exp(c - c_new)  # ≤ 1: the old sums, re-referenced to c_new
+            kv, z = kv * decay[..., None, None], z * decay[..., None]
+            weight = torch.exp(log_scale[:, :, :1] - c_new[..., None]).unsqueeze(-1)  # (B, H, 1, 1)
+            kf = kf * weight
+            kr = None if kr is None else kr * weight
+            c = c_new
+        kv = kv + (kf if kr is None else kr).transpose(-1, -2) * v  # (B, H, F, Dv) outer product
+        z = z + kf[:, :, 0]  # (B, H, F)
+        num = torch.matmul(qf if qr is None else qr, kv)  # (B, H, 1, Dv)
+        den = torch.einsum("bhtf,bhf->bht", qf, z)  # (B, H, 1)
+        return _normalise(num, den, eps, value.dtype).contiguous(), LinearAttentionState(kv, z, c)
+
+
+__all__ = [
+    "EMPTY_LOG_SCALE",
+    "LinearAttentionState",
+    "elu_feature_map",
+    "favor_plus_features",
+    "gaussian_orthogonal_random_matrix",
+    "initial_state",
+    "linear_attention",
+    "linear_attention_step",
+    "relu_feature_map",
+]
