@@ -399,7 +399,7 @@ def micro_batches(items: list, micro_batch: int) -> Iterator[list]:
 
 
 @torch.no_grad()
-def mlm_metrics(forward, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def masked_token_metrics(forward, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Masked-token loss and accuracy over `batches` (summed over masked tokens, then divided).
 
     `forward(batch) -> logits` of shape (B, T, V), or (N_masked, V) for a sparse-prediction head.
@@ -426,8 +426,8 @@ __all__ = [
     "TokenStream",
     "WholeWordMasker",
     "load_texts",
+    "masked_token_metrics",
     "micro_batches",
-    "mlm_metrics",
     "pack",
     "sequence_body",
     "split_held_out",

@@ -382,7 +382,7 @@ class Run:
 
         self.engine.eval()
         try:
-            metrics = mlm_data.mlm_metrics(forward, batches)
+            metrics = mlm_data.masked_token_metrics(forward, batches)
         finally:
             self.engine.train()
         metrics["sequences"] = len(items)

@@ -120,7 +120,8 @@ def _read(path: Path) -> dict:
 
             data = yaml.safe_load(text)
     except Exception as error:  # noqa: BLE001 - yaml and json raise different types
-        raise ValueError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({error})") from None
+        reason = " ".join(str(error).split())  # one line: yaml's messages span several
+        raise ValueError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({reason})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping with a 'stages' list, got {type(data).__name__}")
     return data

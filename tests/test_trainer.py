@@ -4,7 +4,8 @@ import torch
 
 from modeling_roformer_rope import RoFormerRopeConfig, RoFormerRopeForMaskedLM
 from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
-from roformer_rope.scripts.quickstart import build_vocab, mlm_metrics, tokenize_lines, train_mlm
+from roformer_rope.scripts.mlm_trainer import mlm_metrics, tokenize_lines, train_mlm
+from roformer_rope.tokenization.build_vocab import build_vocab_file as build_vocab
 from roformer_rope.tokenization.corpus import people_daily_lines
 
 

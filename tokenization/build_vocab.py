@@ -113,6 +113,13 @@ def write_vocab(tokens: list[str], path: str | Path, *, sources: Iterable[str | 
         tmp.write_text("".join(token + "\n" for token in tokens), encoding="utf-8")
 
 
+def build_vocab_file(lines: list[str], path: str | Path, num_words: int, min_char_count: int = 2) -> list[str]:
+    """Count `lines`, make the vocabulary and write it to `path` (the steps `build-vocab` runs); returns it."""
+    tokens = make_vocab(count(lines, total=len(lines)), num_words, min_char_count=min_char_count)
+    write_vocab(tokens, path)
+    return tokens
+
+
 def _wordpiece(word: str, vocab: set[str]) -> list[str] | None:
     """Greedy longest-match-first WordPiece; None when the word cannot be covered (-> [UNK])."""
     if len(word) > MAX_INPUT_CHARS_PER_WORD:

@@ -1,0 +1,205 @@
+"""`roformer-rope pretrain` end to end on a tiny model: stages, export, kill-and-resume, bad input, atomic saves.
+
+Runs go through the real command in subprocesses (DeepSpeed ZeRO on CPU, gloo). The ZeRO 1/2/3 × 1/2-process
+matrix is in the slow suite.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = textwrap.dedent(
+    """
+    model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 64}
+    data: {held_out_lines: 60, vocab_words: 300, eval_sequences: 8, num_proc: 1}
+    train: {seed: 0, micro_batch: 4, checkpoint_every: 4, keep_checkpoints: 2, log_every: 1, eval_batch: 8}
+    stages:
+      - {name: short, max_length: 32, global_batch: 8, steps: 10, lr: 2.0e-3, warmup_steps: 2}
+      - {name: long, max_length: 64, global_batch: 4, steps: 6, lr: 1.0e-3, warmup_steps: 1}
+    """
+)
+LINES = ["--corpus-lines", "700"]
+
+
+def pretrain(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "roformer_rope.scripts.pretrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", **(env or {})},
+    )
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    return {r["global_step"]: r["loss"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    path.write_text(TINY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, config) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "full"
+    result = pretrain("--config", str(config), "--out", str(run), *LINES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_stages_run_and_write_the_stage_table(finished):
+    table = json.loads((finished / "stage_table.json").read_text())
+    assert [row["max_length"] for row in table] == [32, 64] and [row["steps"] for row in table] == [10, 6]
+    assert all(0 < row["mlm_loss"] < 10 and 0 <= row["mlm_accuracy"] <= 1 for row in table)
+    assert "| short | 32 | 8 | 10 |" in (finished / "stage_table.md").read_text()
+    steps = losses(finished)
+    assert sorted(steps) == list(range(1, 17))
+    assert steps[16] < steps[1]  # it learns something on real text
+    assert (finished / "checkpoints" / "latest").read_text().strip() == "stage3-step0"
+    kept = sorted(p.name for p in (finished / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["stage2-step2", "stage3-step0"]  # every 4 global steps, keep_checkpoints: 2, no .partial
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch, transformers
+    folder, probe_file = sys.argv[1], sys.argv[2]
+    model = transformers.AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    probe = torch.load(probe_file, weights_only=True)
+    with torch.no_grad():
+        logits = model(**probe["batch"]).logits
+    keep = probe["batch"]["attention_mask"].bool()
+    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    print(json.dumps({"class": type(model).__name__, "diff": (logits[keep] - probe["logits"][keep]).abs().max().item(),
+                      "tied": tied, "mask": tok.mask_token, "sparse": model.config.sparse_prediction}))
+    """
+)
+
+
+def test_export_loads_with_trust_remote_code_in_a_fresh_process(finished, tmp_path):
+    """The exported folder reproduces the live model's logits (stored at the last checkpoint)."""
+    model = finished / "model"
+    for name in ("config.json", "model.safetensors", "vocab.txt", "modeling_roformer_rope.py", "README.md"):
+        assert (model / name).is_file(), name
+    assert "| long | 64 | 4 | 6 |" in (model / "README.md").read_text()
+    probe = finished / "checkpoints" / "stage3-step0" / "probe.pt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", CHILD, str(model), str(probe)], capture_output=True, text=True,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["class"] == "RoFormerRopeForMaskedLM" and out["tied"] and out["mask"] == "[MASK]"
+    assert out["diff"] < 1e-4 and out["sparse"] is False
+
+
+def test_export_on_demand_refuses_to_overwrite(finished, tmp_path):
+    out = tmp_path / "exported"
+    assert pretrain("--export", str(finished), "--out", str(out)).returncode == 0
+    assert (out / "model.safetensors").is_file()
+    again = pretrain("--export", str(finished / "checkpoints"), "--out", str(out))
+    assert again.returncode == 2 and "already exists (pass --overwrite" in again.stderr
+
+
+def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config, tmp_path):
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "roformer_rope.scripts.pretrain", "--config", str(config), "--out", str(run), *LINES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+    log = run / "train_log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:  # kill mid-stage, after the step-4 checkpoint
+        if log.is_file() and len(log.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert (run / "checkpoints" / "latest").read_text().strip() in ("stage1-step4", "stage1-step8")
+    assert not (run / "stage_table.json").exists()  # killed mid-stage 1
+    resumed = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = losses(finished), losses(run)  # the resumed steps 5.. overwrite nothing: appended after 6
+    assert sorted(got) == list(range(1, 17))
+    for step in range(1, 17):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    assert json.loads((run / "stage_table.json").read_text())[-1]["mlm_loss"] == pytest.approx(
+        json.loads((finished / "stage_table.json").read_text())[-1]["mlm_loss"], abs=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "make, args, message",
+    [
+        (None, ["--corpus", "/nonexistent/texts"], "no such file or directory"),
+        ("empty", [], "corpus is empty"),
+        ("bad_yaml", [], "not valid YAML"),
+        ("too_long", [], "max_length 4096 is longer than the model allows"),
+        ("uneven", [], "not divisible by the micro batch"),
+        ("resume_nothing", ["--resume"], "holds no checkpoints/ folder"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message):
+    cfg = config
+    if make == "bad_yaml":
+        cfg = tmp_path / "bad.yaml"
+        cfg.write_text("stages: [{max_length: 32\n")
+    elif make == "too_long":
+        cfg = tmp_path / "long.yaml"
+        limited = TINY.replace("intermediate_size: 64}", "intermediate_size: 64, max_position_embeddings: 512}")
+        cfg.write_text(limited.replace("max_length: 64", "max_length: 4096"))
+    elif make == "uneven":
+        cfg = tmp_path / "uneven.yaml"
+        cfg.write_text(TINY.replace("micro_batch: 4", "micro_batch: 3"))
+    if make == "empty":
+        corpus = tmp_path / "empty.txt"
+        corpus.write_text("\n\n   \n")
+        args = ["--corpus", str(corpus)]
+    result = pretrain("--config", str(cfg), "--out", str(tmp_path / "run"), *LINES, *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("roformer-rope pretrain: error:") and message in last, last
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_existing_run_is_never_restarted_over(finished, config):
+    result = pretrain("--config", str(config), "--out", str(finished), *LINES)
+    assert result.returncode == 2 and "already holds a run; pass --resume" in result.stderr
+    assert (finished / "checkpoints" / "stage3-step0").is_dir()
+
+
+class _FailingEngine:
+    """Writes part of a checkpoint like DeepSpeed, then fails (a full disk, a kill)."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        folder = Path(save_dir) / tag
+        folder.mkdir(parents=True)
+        (folder / "mp_rank_00_model_states.pt").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    from roformer_rope.scripts.pretrain_engine import Dist, latest_tag, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    previous = root / "stage1-step4"
+    previous.mkdir(parents=True)
+    (previous / "run_state.json").write_text("{}")
+    (root / "latest").write_text("stage1-step4\n")
+    dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(_FailingEngine(), root, "stage1-step8", {}, {}, dist)
+    assert latest_tag(root) == "stage1-step4" and (previous / "run_state.json").is_file()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "stage1-step4"]  # no partial folder left

@@ -1,0 +1,150 @@
+"""Pretraining data: whole-word masking on jieba words, packing, held-out separation, the jumpable sampler."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from roformer_rope.scripts import mlm_data
+from roformer_rope.scripts.pretrain_config import Stage, parse_run_config
+
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """Characters of the test sentences plus a few whole words; '会见' and '客人' are *not* words here."""
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    chars = sorted(set("国务院总理李鹏在北京会见了外国客人。今天天气非常好我们去公园散步吧"))
+    vocab = SPECIAL + chars + ["国务院", "总理", "北京", "今天", "天气", "非常", "公园"]
+    path = tmp_path_factory.mktemp("tok") / "vocab.txt"
+    path.write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    return RoFormerRopeTokenizer(vocab_file=str(path))
+
+
+def stream_of(lines, tokenizer, folder: Path) -> mlm_data.TokenStream:
+    import datasets
+
+    return mlm_data.tokenize_to_stream(datasets.Dataset.from_dict({"text": lines}), tokenizer, folder)
+
+
+def test_word_ids_come_from_jieba_not_from_wordpiece(tokenizer, tmp_path):
+    stream = stream_of(["国务院总理李鹏在北京会见了外国客人。"], tokenizer, tmp_path / "s")
+    tokens = tokenizer.convert_ids_to_tokens(np.asarray(stream.tokens).tolist())
+    assert tokens == ["国务院", "总理", "李", "鹏", "在", "北京", "会", "见", "了", "外", "国", "客", "人", "。"]
+    words = np.asarray(stream.words)
+    same = lambda a, b: words[tokens.index(a)] == words[tokens.index(b)]  # noqa: E731
+    # jieba (HMM off) cuts 李鹏 / 会见 / 外国 / 客人 as words: their characters share one word id ...
+    assert same("李", "鹏") and same("会", "见") and same("外", "国") and same("客", "人")
+    # ... while separate words do not, whether or not they are whole tokens.
+    assert not same("在", "北京") and not same("了", "外") and len(set(words.tolist())) == 10
+
+
+def test_whole_word_masking_statistics(tokenizer, tmp_path):
+    lines = ["国务院总理李鹏在北京会见了外国客人。", "今天天气非常好我们去公园散步吧。"] * 20
+    stream = stream_of(lines, tokenizer, tmp_path / "s")
+    spans = mlm_data.pack(stream, 64)
+    masker = mlm_data.WholeWordMasker(tokenizer, 0.15, seed=1)
+    selected = maskable = masked = randomised = kept = 0
+    for key in range(400):
+        tokens, words = mlm_data.sequence_body(stream, spans[key % len(spans)], tokenizer.sep_token_id)
+        inputs, labels = masker.mask(tokens, words, (0, 0, key))
+        chosen = labels != mlm_data.IGNORE_INDEX
+        for w in np.unique(words[chosen]):  # every piece of a chosen word is chosen, and treated alike
+            piece = words == w
+            assert chosen[piece].all()
+            is_mask = inputs[piece] == tokenizer.mask_token_id  # one draw per word: all [MASK] or none
+            assert is_mask.all() or not is_mask.any()
+        assert not chosen[words < 0].any()  # the [SEP] between packed lines is never a target
+        assert (labels[chosen] == tokens[chosen]).all() and (inputs[~chosen] == tokens[~chosen]).all()
+        selected += chosen.sum()
+        maskable += (words >= 0).sum()
+        masked += (inputs[chosen] == tokenizer.mask_token_id).sum()
+        kept += (inputs[chosen] == tokens[chosen]).sum()
+        randomised += ((inputs[chosen] != tokens[chosen]) & (inputs[chosen] != tokenizer.mask_token_id)).sum()
+    assert abs(selected / maskable - 0.15) < 0.01
+    assert abs(masked / selected - 0.8) < 0.04 and abs(randomised / selected - 0.1) < 0.03
+    assert abs(kept / selected - 0.1) < 0.04  # a random replacement can hit the same token: rare here
+
+
+def test_masking_is_a_function_of_its_key(tokenizer, tmp_path):
+    stream = stream_of(["国务院总理李鹏在北京会见了外国客人。"] * 5, tokenizer, tmp_path / "s")
+    tokens, words = mlm_data.sequence_body(stream, mlm_data.pack(stream, 128)[0], tokenizer.sep_token_id)
+    masker = mlm_data.WholeWordMasker(tokenizer, 0.15, seed=3)
+    a = masker.mask(tokens, words, (1, 0, 7))
+    b = mlm_data.WholeWordMasker(tokenizer, 0.15, seed=3).mask(tokens, words, (1, 0, 7))
+    c = masker.mask(tokens, words, (1, 0, 8))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[1], c[1])
+
+
+def test_packing_never_crosses_the_length_and_keeps_every_token(tokenizer, tmp_path):
+    short, long_ = "今天天气非常好。", "国务院总理李鹏在北京会见了外国客人。" * 9  # the long line needs cutting
+    stream = stream_of([short, long_, short, short, long_, short], tokenizer, tmp_path / "s")
+    for max_length in (16, 40, 200):
+        spans = mlm_data.pack(stream, max_length)
+        assert spans[0, 0] == 0 and spans[-1, 1] == stream.num_tokens
+        assert (spans[1:, 0] == spans[:-1, 1]).all()  # consecutive, no token lost or repeated
+        for span in spans:
+            tokens, _ = mlm_data.sequence_body(stream, span, tokenizer.sep_token_id)
+            assert 1 <= len(tokens) <= max_length - 2  # room for [CLS] and [SEP]
+        batch = mlm_data.WholeWordMasker(tokenizer).collate(
+            [(*mlm_data.sequence_body(stream, s, tokenizer.sep_token_id), (0, 0, i)) for i, s in enumerate(spans)]
+        )
+        assert batch["input_ids"].shape[1] <= max_length
+        assert (batch["input_ids"][:, 0] == tokenizer.cls_token_id).all()
+
+
+def test_held_out_lines_never_reach_training(tmp_path):
+    import datasets
+
+    lines = [f"第{i}行内容" for i in range(100)]
+    train, held_out = mlm_data.split_held_out(datasets.Dataset.from_dict({"text": lines}), 10)
+    assert held_out["text"] == lines[-10:] and train["text"] == lines[:-10]
+    with pytest.raises(ValueError, match="corpus is empty"):
+        mlm_data.split_held_out(datasets.Dataset.from_dict({"text": []}), 10)
+    with pytest.raises(ValueError, match="held_out_lines must be in"):
+        mlm_data.split_held_out(datasets.Dataset.from_dict({"text": lines}), 100)
+
+
+def test_sampler_jumps_to_any_step_and_splits_ranks():
+    n, batch, world = 37, 8, 2
+    sampler = mlm_data.StageSampler(n, batch, world, seed=0, stage=1)
+    seen = []
+    for step in range(12):  # 96 positions: more than two epochs
+        shares = [sampler.step_items(step, rank) for rank in range(world)]
+        assert all(len(s) == batch // world for s in shares)
+        seen += [item for share in shares for item in share]
+    for epoch in (0, 1):  # each epoch is a permutation of all sequences
+        assert sorted(i for e, i in seen if e == epoch) == list(range(n))
+    fresh = mlm_data.StageSampler(n, batch, world, seed=0, stage=1)
+    assert fresh.step_items(9, 1) == sampler.step_items(9, 1)  # a resumed run jumps straight to step 9
+    assert mlm_data.StageSampler(n, batch, world, seed=0, stage=2).step_items(0, 0) != sampler.step_items(0, 0)
+    with pytest.raises(ValueError, match="not divisible by the world size"):
+        mlm_data.StageSampler(n, 9, 2, seed=0, stage=0)
+
+
+def test_stage_schedule_rewarms_and_decays():
+    stage = Stage(max_length=128, global_batch=8, steps=100, lr=1e-3, warmup_steps=10)
+    assert stage.lr_at(0) == pytest.approx(1e-4) and stage.lr_at(9) == pytest.approx(1e-3)
+    assert stage.lr_at(55) == pytest.approx(5e-4) and stage.lr_at(99) < 2e-5
+    cosine = Stage(max_length=128, global_batch=8, steps=20, lr=1.0, schedule="cosine", min_lr_ratio=0.1)
+    assert cosine.lr_at(0) == pytest.approx(1.0) and cosine.lr_at(10) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({}, "'stages' must be a non-empty list"),
+        ({"stages": [{"max_length": 128, "global_batch": 8}]}, "missing 2 required"),
+        ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3, "warmup": 2}]}, r"unknown field\(s\) \['warmup'\]"),
+        ({"stages": [{"max_length": 128, "global_batch": 0, "steps": 5, "lr": 1e-3}]}, "global_batch must be >= 1"),
+        ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3, "warmup_steps": 9}]}, "warmup_steps must be <= 5"),
+        ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3, "schedule": "step"}]}, "schedule must be one of"),
+        ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3}], "optim": {}}, "unknown section"),
+    ],
+)
+def test_bad_stage_configs_name_the_problem(data, message):
+    with pytest.raises(ValueError, match=message):
+        parse_run_config(data, "stages.yaml")
