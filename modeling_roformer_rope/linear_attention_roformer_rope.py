@@ -26,17 +26,24 @@ Precision: every feature map, sum, prefix sum and the normaliser runs in float32
 inputs) with autocast disabled, whatever the input dtype; the output is rounded once to value's dtype.
 
 Stabiliser (FAVOR+ only): exp(Wx − |x|²/2) underflows float32 for large |x| (every feature of a token
-becomes 0, and out = 0/0) and can overflow for large Wx. `favor_plus_features`
-returns features divided by a per-token factor, feat = exp(Wx − max_f(Wx)) ∈ (0, 1]/√M, together with its
-log, log_scale = max_f(Wx) − |x|²/2, so the true features are feat · exp(log_scale). Who uses what:
+becomes 0, and out = 0/0) and can overflow for large Wx. `favor_plus_features` returns features divided
+by a per-token factor, feat = exp(Wx − max_f(Wx))/√M ∈ (0, 1/√M], and the log of that factor,
+log_scale = max_f(Wx) − |x|²/2, so the true features are feat · exp(log_scale). Who uses what:
   * queries: drop log_scale. A factor per query row multiplies numerator and denominator alike and cancels.
-  * keys: pass log_scale as `k_log_scale`. The kernels multiply key features by exp(log_scale − c), with
-    c the maximum of log_scale over the unmasked keys of each (batch, head): one constant for all keys of
-    a (b, h), so it cancels between numerator and denominator, and every factor is ≤ 1 (no overflow).
-  * generation: the state keeps c as a running maximum; when a new key raises it, (S, z) are rescaled by
-    exp(c_old − c_new) ≤ 1 before the new keys are added, so token-by-token equals the parallel form.
-  The maxima are detached: they cancel exactly, so their gradient is zero. What remains is float32's
-  range: keys whose log_scale lies > ~87 below the maximum of their (b, h) underflow to zero features.
+  * keys: pass log_scale as `k_log_scale`. The kernels multiply key features by exp(log_scale − c) ≤ 1,
+    where c is one reference shared by every key a query sees, so it cancels between numerator and
+    denominator:
+      - bidirectional: c = max of log_scale over the unmasked keys of each (batch, head);
+      - causal: c = running maximum up to the end of the query's chunk (a later, larger key never shrinks
+        an earlier query's weights); sums carried over from a smaller reference c' are rescaled by
+        exp(c' − c) ≤ 1 when the reference grows;
+      - generation: the state holds the running maximum c; when a new key raises it, (S, z) are rescaled
+        by exp(c_old − c_new) ≤ 1 before the new keys are added, so any split into steps equals the
+        parallel causal form.
+  The references are detached: they cancel exactly, so their gradient is zero. What float32 still cannot
+  hold: a key whose log_scale lies > ~87 below its reference contributes 0; a query whose only weight
+  comes from such keys (e.g. the first token of a chunk when later keys of the chunk are e^87 larger)
+  hits the division guard. A smaller chunk_size narrows that window; the step form has none.
 
 Division guard: out = num / den where den > eps, else 0. den is a sum of non-negative terms, so without
 rotation |out| ≤ max|v| for any den > 0; eps only keeps 0/0 (a fully padded row, all-zero relu
@@ -135,7 +142,7 @@ def favor_plus_features(
         x = x.to(dtype) * math.sqrt(scale)  # (..., N, D)  x' = x · scale^(1/2)
         wx = torch.matmul(x, projection.to(device=x.device, dtype=dtype).T)  # (..., N, M)  W x'
         wx_max = wx.amax(dim=-1, keepdim=True).detach()  # (..., N, 1)
-        features = torch.exp(wx - wx_max) * M**-0.5  # (..., N, M)
+        features = wx.sub_(wx_max + 0.5 * math.log(M)).exp_()  # (..., N, M) exp(W x' − max)/√M, in place
         log_scale = wx_max.squeeze(-1) - 0.5 * x.square().sum(dim=-1)  # (..., N)   − |x'|²/2
     return features, log_scale
 
@@ -150,8 +157,8 @@ class LinearAttentionState(NamedTuple):
 
     kv: S = Σ_j (R_j φ(k_j)) v_jᵀ · exp(−log_scale), (B, H, F, Dv)
     k_sum: z = Σ_j φ(k_j) · exp(−log_scale), (B, H, F)
-    log_scale: running maximum of the keys' log scales, (B, H) (0 once a key was seen when the features
-        carry no log scale; EMPTY_LOG_SCALE before any key)
+    log_scale: the reference c (B, H), the running maximum of the keys' log scales (EMPTY_LOG_SCALE before
+        any key, and throughout for features without log scales, whose sums are unscaled)
     """
 
     kv: torch.Tensor
@@ -312,16 +319,20 @@ def _causal_attention(
         den = scores.sum(dim=-1) + torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
         z = z_prev[:, -1] + z_chunk[:, -1]  # (B·H, F)
 
-        out[:, start:stop] = _normalise(num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c), eps, out_dtype)
+        _normalise(num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c), eps, out[:, start:stop])
         start = stop
     return out, LinearAttentionState(kv.reshape(B, H, Fd, Dv), z.reshape(B, H, Fd), c_carry.reshape(B, H))
 
 
-def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """num (B, H, T, Dv) / den (B, H, T) → (B, T, H, Dv) in `dtype` (a view); rows with den ≤ eps give 0."""
+def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """out (B, T, H, Dv) ← num (B, H, T, Dv) / den (B, H, T), cast to out's dtype; rows with den ≤ eps give 0."""
     ok = den > eps
-    inverse = torch.where(ok, 1.0 / torch.where(ok, den, 1.0), 0.0)  # inner where: no inf/NaN in backward
-    return (num * inverse.unsqueeze(-1)).to(dtype).transpose(1, 2)  # (B, T, H, Dv)
+    inverse = torch.where(ok, 1.0 / torch.where(ok, den, 1.0), 0.0).unsqueeze(-1)  # inner where: finite backward
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (num.requires_grad or inverse.requires_grad)):
+        out.copy_((num * inverse).transpose(1, 2))  # differentiable (and traceable; compilers fuse the two passes)
+    else:  # one pass, cast and layout included (out= is neither differentiable nor traced with strides)
+        torch.mul(num.transpose(1, 2), inverse.transpose(1, 2), out=out)
+    return out
 
 
 def linear_attention(
@@ -351,6 +362,8 @@ def linear_attention(
     the causal form (C ≈ F is fastest; any value gives the same result).
     """
     _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log_scale, "linear_attention")
+    B, H, T, _ = q_feat.shape
+    Dv = value.shape[-1]
     if causal and q_feat.shape[2] != k_feat.shape[2]:
         raise ValueError(f"linear_attention: causal needs T == S, got {q_feat.shape[2]} and {k_feat.shape[2]}")
     dtype = _acc_dtype(q_feat, k_feat, value, q_feat_rot, k_feat_rot)
@@ -368,7 +381,7 @@ def linear_attention(
         z = kf.sum(dim=2)  # (B, H, F)                                        z = Σ_j φ(k_j)
         num = torch.matmul(qf if qr is None else qr, kv)  # (B, H, T, Dv)    (R_iφ(q_i))ᵀ S
         den = torch.einsum("bhtf,bhf->bht", qf, z)  # (B, H, T)              φ(q_i)ᵀ z
-        return _normalise(num, den, eps, value.dtype).contiguous()
+        return _normalise(num, den, eps, torch.empty(B, T, H, Dv, device=qf.device, dtype=value.dtype))
 
 
 def linear_attention_step(
@@ -422,7 +435,8 @@ def linear_attention_step(
         z = z + kf[:, :, 0]  # (B, H, F)
         num = torch.matmul(qf if qr is None else qr, kv)  # (B, H, 1, Dv)
         den = torch.einsum("bhtf,bhf->bht", qf, z)  # (B, H, 1)
-        return _normalise(num, den, eps, value.dtype).contiguous(), LinearAttentionState(kv, z, c)
+        out = _normalise(num, den, eps, torch.empty(B, 1, H, Dv, device=qf.device, dtype=value.dtype))
+        return out, LinearAttentionState(kv, z, c)
 
 
 __all__ = [

@@ -386,10 +386,10 @@ def test_low_precision_inputs_and_autocast_sum_in_float32(causal):
     close(features * log_scale.exp()[..., None], favor_oracle(q.float(), W), 1e-5)
 
 
-def test_bf16_16k_tokens_stay_finite():  # ~2 s
+def test_bf16_16k_tokens_stay_finite():  # ~2 s on an idle 2-core machine
     T, D = 16384, 64
     g = torch.Generator().manual_seed(0)
-    qkv = (3 * torch.randn(1, T, 3, 2, D, generator=g)).bfloat16()  # large activations
+    qkv = (3 * torch.randn(1, T, 3, 1, D, generator=g)).bfloat16()  # large activations
     q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # strided (B, H, T, D) views, as in the model
     pos = torch.arange(T)
     W = la.gaussian_orthogonal_random_matrix(64, D, generator=torch.Generator().manual_seed(0))
@@ -404,7 +404,7 @@ def test_bf16_16k_tokens_stay_finite():  # ~2 s
             la.linear_attention(qe, ke, v, q_feat_rot=qr, k_feat_rot=kr, key_mask=key_mask, causal=causal),
             la.linear_attention(qp, kp, v, k_log_scale=k_log, key_mask=key_mask, causal=causal),
         ):
-            assert out.dtype == torch.bfloat16 and out.shape == (1, T, 2, D)
+            assert out.dtype == torch.bfloat16 and out.shape == (1, T, 1, D)
             assert torch.isfinite(out).all()
 
 
