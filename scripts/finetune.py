@@ -256,7 +256,7 @@ def _set_labels(config, task: Task) -> None:
     config.problem_type = "single_label_classification"
 
 
-def load_pretrained(task: Task, model_args: ModelArguments):
+def load_pretrained(task: Task, model_args: ModelArguments, max_length: int | None = None):
     """(model, tokenizer, description) from `--model` (folder or Hub id); clear errors for bad input."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -282,6 +282,13 @@ def load_pretrained(task: Task, model_args: ModelArguments):
             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {str(error).splitlines()[0]}"
         ) from None
     check_head_labels(config, task, model_args.model)
+    positions = getattr(config, "max_position_embeddings", None)
+    if config.model_type != "roformer_rope" and positions and max_length and max_length > positions:
+        # learned absolute positions (BERT): no row for positions past the table; rotary has no table
+        raise ValueError(
+            f"--model {model_args.model}: a {config.model_type} model with {positions} learned positions "
+            f"cannot read --max_length {max_length}"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=True)
     except (OSError, ValueError, TypeError) as error:
@@ -425,21 +432,22 @@ RELOAD_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import transformers
-    folder, kind, inputs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    folder, kind, inputs, max_length = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     auto = transformers.AutoModelForTokenClassification if kind == "token" else transformers.AutoModelForSequenceClassification
     model = auto.from_pretrained(folder, trust_remote_code=True)
     if kind == "token":
         pipe = transformers.pipeline("token-classification", model=model, tokenizer=tok, aggregation_strategy="simple")
+        out = [pipe(x) for x in inputs]
     else:
         pipe = transformers.pipeline("text-classification", model=model, tokenizer=tok)
-    out = [pipe(x) for x in inputs]
+        out = [pipe(x, truncation=True, max_length=max_length) for x in inputs]
     print(json.dumps({"class": type(model).__name__, "outputs": out}, ensure_ascii=False, default=float))
     """
 )
 
 
-def reload_in_fresh_process(folder: Path, kind: str, inputs: list) -> dict:
+def reload_in_fresh_process(folder: Path, kind: str, inputs: list, max_length: int) -> dict:
     """Load `folder` with trust_remote_code in a new interpreter (temp cwd, no PYTHONPATH) and run the
     task's pipeline on `inputs`; returns the pipeline outputs."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -448,7 +456,8 @@ def reload_in_fresh_process(folder: Path, kind: str, inputs: list) -> dict:
         env.pop(var, None)
     with tempfile.TemporaryDirectory() as cwd:
         result = subprocess.run(
-            [sys.executable, "-c", RELOAD_SCRIPT, str(Path(folder).resolve()), kind, json.dumps(inputs, ensure_ascii=False)],
+            [sys.executable, "-c", RELOAD_SCRIPT, str(Path(folder).resolve()), kind, json.dumps(inputs, ensure_ascii=False),
+             str(max_length)],
             cwd=cwd,
             env=env,
             capture_output=True,
@@ -459,14 +468,17 @@ def reload_in_fresh_process(folder: Path, kind: str, inputs: list) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_pipeline(model, tokenizer, kind: str, inputs: list) -> list:
+def run_pipeline(model, tokenizer, kind: str, inputs: list, max_length: int = 512) -> list:
+    """The task's pipeline on `inputs` (text classification truncated to `max_length` as in training)."""
     from transformers import pipeline
 
     if kind == "token":
         pipe = pipeline("token-classification", model=model, tokenizer=tokenizer, aggregation_strategy="simple")
+        outputs = [pipe(x) for x in inputs]
     else:
         pipe = pipeline("text-classification", model=model, tokenizer=tokenizer)
-    return json.loads(json.dumps([pipe(x) for x in inputs], ensure_ascii=False, default=float))
+        outputs = [pipe(x, truncation=True, max_length=max_length) for x in inputs]
+    return json.loads(json.dumps(outputs, ensure_ascii=False, default=float))
 
 
 def same_predictions(kind: str, a: list, b: list, atol: float = 1e-3) -> bool:
@@ -526,7 +538,7 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
     with tempfile.TemporaryDirectory(prefix="roformer-rope-finetune-") as work_dir:
         work = Path(work_dir)
         if model_args.model:  # before the data: a bad folder should fail fast
-            model, tokenizer, model_info = load_pretrained(task, model_args)
+            model, tokenizer, model_info = load_pretrained(task, model_args, max_length)
         splits = task.load()
         logger.info("%s: %s; sizes %s", task.name, task.description, splits.sizes())
         logger.info("split statistics: %s", json.dumps(splits.stats, ensure_ascii=False))
@@ -577,7 +589,7 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
 
         model = trainer.model.eval()
         examples = task.pipeline_inputs(raw["test"], max(data_args.show_examples, 1))
-        in_process = run_pipeline(model, tokenizer, task.kind, examples)
+        in_process = run_pipeline(model, tokenizer, task.kind, examples, max_length)
         results: dict[str, Any] = {
             "task": task.name,
             "description": task.description,
@@ -610,7 +622,7 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
                     if path.name != "training_args.bin":
                         shutil.move(str(path), str(tmp / path.name))
                 if data_args.verify_reload:
-                    reloaded = reload_in_fresh_process(tmp, task.kind, examples)
+                    reloaded = reload_in_fresh_process(tmp, task.kind, examples, max_length)
                     if not same_predictions(task.kind, in_process, reloaded["outputs"]):
                         raise RuntimeError(
                             f"the saved model predicts differently after reloading: {in_process} vs {reloaded['outputs']}"

@@ -383,6 +383,26 @@ def test_bert_folder_with_our_tokenizer_loads(tmp_path, small_tokenizer):
     assert model.config.id2label == dict(enumerate(task_ner.LABELS))
     assert type(tokenizer).__name__ == "RoFormerRopeTokenizer"
     assert tokenizer.tokenize("上海浦东开发") == ["上海浦东", "开发"]
+    # learned absolute positions end at 512: a 1024-token run is refused (a RoFormer has no such limit)
+    with pytest.raises(ValueError, match="bert model with 512 learned positions cannot read --max_length 1024"):
+        finetune.load_pretrained(task_long.TASK, finetune.ModelArguments(model=str(tmp_path)), max_length=1024)
+
+
+def test_early_stopping_waits_for_the_start_fraction():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", metric_for_best_model="accuracy", greater_is_better=True)
+    callback = finetune.EarlyStopping(patience=2, start=0.5)
+    state = TrainerState(max_steps=100, best_metric=0.9)
+    control = TrainerControl()
+    for step in (10, 20, 30, 40):  # no improvement, but before half the run: not counted
+        state.global_step = step
+        callback.on_evaluate(args, state, control, metrics={"eval_accuracy": 0.5})
+    assert not control.should_training_stop and callback.early_stopping_patience_counter == 0
+    for step in (50, 60):
+        state.global_step = step
+        callback.on_evaluate(args, state, control, metrics={"eval_accuracy": 0.5})
+    assert control.should_training_stop  # two evaluations without improvement after the start
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,6 +94,15 @@ def row_flags(row: str, args: argparse.Namespace) -> list[str]:
             "--intermediate_size", str(4 * args.scratch_hidden)]  # fmt: skip
 
 
+def skip_reason(row: str, column: str, args: argparse.Namespace) -> str | None:
+    """Why a cell cannot be run: BERT's learned absolute positions end at max_position_embeddings."""
+    if row != "bert" or not column.startswith("long"):
+        return None
+    positions = json.loads((Path(args.bert) / "config.json").read_text()).get("max_position_embeddings")
+    length = int(COLUMNS[column][1][1])
+    return f"n/a ({positions} positions)" if positions and length > positions else None
+
+
 def run_command(row: str, column: str, seed: int, lr: str, args: argparse.Namespace, out: Path) -> list[str]:
     task, column_flags = COLUMNS[column]
     return [
@@ -128,7 +137,8 @@ def markdown(table: dict, args: argparse.Namespace) -> str:
         shown = []
         for column, key, _ in CELLS:
             cell = cells.get(f"{column}.{key}")
-            shown.append(f"{100 * cell['mean']:.1f} ± {100 * cell['std']:.1f}" if cell else "–")
+            fallback = table["skipped"].get(f"{row}-{column}", "–")
+            shown.append(f"{100 * cell['mean']:.1f} ± {100 * cell['std']:.1f}" if cell else fallback)
         lines.append(f"| {ROW_NAMES[row]} | " + " | ".join(shown) + " |")
     info = table["info"]
     lines += [
@@ -179,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(args.threads)
     started = time.monotonic()
     results: dict[str, dict] = {}  # "row-column-lrLR-seedS" -> finetune_results.json
+    skipped = {}
     for row in rows:
         for column in args.columns:
+            if skip_reason(row, column, args):
+                skipped[f"{row}-{column}"] = skip_reason(row, column, args)
+                print(f"[skip] {row} {column}: {skipped[f'{row}-{column}']}", flush=True)
+                continue
             for lr in args.lrs:
                 for seed in args.seeds:
                     name = f"{row}-{column}-lr{lr}-seed{seed}"
@@ -201,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
 
-    table: dict = {"rows": {}, "chosen_lr": {}, "runs": {}}
+    table: dict = {"rows": {}, "skipped": skipped, "chosen_lr": {}, "runs": {}}
     for row in rows:
         cells = {}
         for column in args.columns:
+            if f"{row}-{column}" in skipped:
+                continue
             lr = choose_lr(results, row, column, args)
             table["chosen_lr"][f"{row}-{column}"] = lr
             for cell_column, key, _ in CELLS:
