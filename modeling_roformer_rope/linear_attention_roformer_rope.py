@@ -290,7 +290,7 @@ def _causal_attention(
         lower = torch.ones(k, k, dtype=torch.bool, device=qf.device).tril(-1)  # (k, k) chunk i' < chunk i
         if log_scale is None:
             earlier = lower.to(qf.dtype).expand(BH, k, k)  # (B·H, k, k)
-            carry = torch.ones(BH, k, device=qf.device, dtype=qf.dtype)  # (B·H, k)
+            carry = None  # carried sums enter every chunk unscaled
         else:
             ls = log_scale[:, :, start:stop].reshape(BH, k, c)  # (B·H, k, c)
             ref = torch.cummax(torch.maximum(ls.detach().amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k)
@@ -307,7 +307,8 @@ def _causal_attention(
         num = torch.bmm(scores, v3)  # (B·H·k, c, Dv)
         # across chunks: S before a chunk = carried sums + earlier chunks of this block
         kv_chunk = torch.bmm(kr3.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
-        kv_prev = torch.baddbmm(carry[..., None] * kv[:, None], earlier, kv_chunk)  # (B·H, k, F·Dv)
+        kv_carried = kv[:, None] if carry is None else carry[..., None] * kv[:, None]  # (B·H, 1 or k, F·Dv)
+        kv_prev = torch.baddbmm(kv_carried, earlier, kv_chunk)  # (B·H, k, F·Dv)
         num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
         kv = kv_prev[:, -1] + kv_chunk[:, -1]  # (B·H, F·Dv)
 
@@ -315,7 +316,8 @@ def _causal_attention(
         if rotated:
             scores = torch.bmm(qf3, kf3.transpose(1, 2)).tril_()  # (B·H·k, c, c)
         z_chunk = kf3.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
-        z_prev = torch.baddbmm(carry[..., None] * z[:, None], earlier, z_chunk)  # (B·H, k, F)
+        z_carried = z[:, None] if carry is None else carry[..., None] * z[:, None]  # (B·H, 1 or k, F)
+        z_prev = torch.baddbmm(z_carried, earlier, z_chunk)  # (B·H, k, F)
         den = scores.sum(dim=-1) + torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
         z = z_prev[:, -1] + z_chunk[:, -1]  # (B·H, F)
 
