@@ -19,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
+from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention
 from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward
 from .onednn_roformer_rope import RoFormerRopeLinear, rotate_qkv
 
@@ -140,10 +141,7 @@ class RoFormerRopeSelfAttention(nn.Module):
 
 def attention_class(config, layer_idx: int) -> type[nn.Module]:
     """The attention module of layer `layer_idx`: by `config.layer_types`, else `config.attention_type`."""
-    kind = config.attention_kind(layer_idx)
-    if kind == "softmax":
-        return RoFormerRopeSelfAttention
-    raise NotImplementedError(f"attention_type {kind!r} is not wired into the model yet")
+    return RoFormerRopeSelfAttention if config.attention_kind(layer_idx) == "softmax" else RoFormerRopeLinearSelfAttention
 
 
 __all__ = [

@@ -196,6 +196,11 @@ class RoFormerRopeConfig(PreTrainedConfig):
                     "layer_types has 'linear_attention' layers but attention_type='softmax': set attention_type to "
                     "'linear' or 'performer' to choose their kind"
                 )
+        if self.unilm_mask and any(self.attention_kind(i) != "softmax" for i in range(self.num_hidden_layers)):
+            raise ValueError(
+                "unilm_mask needs softmax attention: linear attention takes only key-padding masks "
+                "(use attention_type='softmax' or layer_types with 'full_attention')"
+            )
         if self.linear_feature_map not in FEATURE_MAPS:
             raise ValueError(f"linear_feature_map must be one of {FEATURE_MAPS}, got {self.linear_feature_map!r}")
         if self.linear_chunk_size < 1:

@@ -35,6 +35,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention_roformer_rope import RoFormerRopeSelfAttention, attention_class, unilm_mask_function
 from .configuration_roformer_rope import RoFormerRopeConfig
 from .inputs_roformer_rope import check_inputs
+from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention, install_cache_layers
 from .onednn_roformer_rope import RoFormerRopeLinear, activation
 from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding
 
@@ -104,6 +105,7 @@ class RoFormerRopeLayer(GradientCheckpointingLayer):
     def __init__(self, config: RoFormerRopeConfig, layer_idx: int) -> None:
         super().__init__()
         self.attention = attention_class(config, layer_idx)(config, layer_idx)
+        self.mask_kind = "softmax" if config.attention_kind(layer_idx) == "softmax" else "linear"
         self.attention_norm = make_norm(config, config.hidden_size)
         self.mlp = RoFormerRopeMLP(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
@@ -163,8 +165,17 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
         if isinstance(module, RoFormerRopeRotaryEmbedding):
             # A non-persistent buffer: recompute it, models are first built on the meta device.
             init.copy_(module.inv_freq, module.compute_inv_freq())
+        elif isinstance(module, RoFormerRopeLinearSelfAttention) and module.kind == "performer":
+            init.copy_(module.feature_projection, module.draw_projection())
         elif isinstance(module, RoFormerRopeLMHead) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
+
+    def redraw_features(self, generator: torch.Generator | None = None) -> None:
+        """Draw new FAVOR+ projections for every Performer layer. Never done implicitly: not at inference, not by
+        `eval()`, not on reload (the projection is saved with the weights)."""
+        for module in self.modules():
+            if isinstance(module, RoFormerRopeLinearSelfAttention) and module.kind == "performer":
+                module.redraw_features(generator)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # `custom_object_save` only records the saved class; write the whole family so that every Auto class
@@ -193,6 +204,10 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         if config.embedding_size != config.hidden_size:
             self.embeddings_project = RoFormerRopeLinear(config.embedding_size, config.hidden_size, bias=config.use_bias)
         self.rotary_emb = RoFormerRopeRotaryEmbedding(config)
+        kinds = {config.attention_kind(i) for i in range(config.num_hidden_layers)}
+        if "performer" in kinds and config.performer_rope_placement == "numerator":
+            # eq. 19's placement on FAVOR+ features rotates vectors of size M = nb_features
+            self.feature_rotary_emb = RoFormerRopeRotaryEmbedding(config, dim=config.performer_nb_features)
         self.layers = nn.ModuleList([RoFormerRopeLayer(config, i) for i in range(config.num_hidden_layers)])
         add_pooling_layer = config.add_pooler if add_pooling_layer is None else add_pooling_layer
         self.pooler = RoFormerRopePooler(config) if add_pooling_layer else None
@@ -204,6 +219,24 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return any(layer.mask_kind == "linear" for layer in self.layers)
+
+    @property
+    def has_softmax_layers(self) -> bool:
+        return any(layer.mask_kind == "softmax" for layer in self.layers)
+
+    def _key_padding_mask(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+        """The (B, T) key mask of the new tokens for linear-attention layers (True = real token)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                "linear attention layers take a 2-D (batch, keys) padding mask; a 4-D attention_mask cannot be applied"
+            )
+        return attention_mask[:, -length:].bool()
 
     def _attention_mask(
         self,
@@ -252,6 +285,8 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None and self.has_linear_layers:
+            install_cache_layers(past_key_values, self.config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         check_inputs(
             input_ids,
@@ -272,12 +307,21 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen
             position_ids = position_ids.unsqueeze(0)  # (1, T)
         position_embeddings = self.rotary_emb(position_ids)  # cos, sin: (B or 1, T, D/2) float32
+        if hasattr(self, "feature_rotary_emb"):
+            kwargs["feature_position_embeddings"] = self.feature_rotary_emb(position_ids)  # (B or 1, T, M/2)
 
-        mask = self._attention_mask(hidden_states, attention_mask, token_type_ids, past_key_values, position_ids)
+        # Masks built once: the form the softmax backend wants, and a (B, T) key mask for linear layers.
+        masks = {}
+        if self.has_softmax_layers:
+            masks["softmax"] = self._attention_mask(
+                hidden_states, attention_mask, token_type_ids, past_key_values, position_ids
+            )
+        if self.has_linear_layers:
+            masks["linear"] = self._key_padding_mask(attention_mask, hidden_states.shape[1])
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
-                attention_mask=mask,
+                attention_mask=masks[layer.mask_kind],
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
                 **kwargs,

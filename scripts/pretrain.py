@@ -50,6 +50,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
@@ -328,7 +329,8 @@ class Run:
         tag = checkpoint_tag(stage, step)
         folder = save_checkpoint(self.engine, self.checkpoints, tag, state, files, self.dist)
         prune_checkpoints(self.checkpoints, self.config.train.keep_checkpoints, self.dist)
-        logger.info("checkpoint %s saved", folder)
+        if self.main:
+            logger.info("checkpoint %s saved", folder)
 
     def resume(self) -> tuple[int, int, int, float]:
         from .pretrain_engine import latest_tag, load_checkpoint, read_run_state, remove_partials
@@ -497,6 +499,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # DeepSpeed still calls torch.distributed's old collective names; the warnings say nothing to a user.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,212 @@
+"""Linear-attention RoFormers (attention_type "linear" = eq. 19, "performer" = FAVOR+) inside the model.
+
+The kernels are checked against naive formulas in test_linear_attention.py; here the wiring is: which
+features, which rotation where, masks, causality, the generation cache, saving the random projection.
+The oracle recomputes layer 0 from its weights with an explicit N×N weight matrix in float64.
+"""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import modeling_roformer_rope as rr
+from conftest import padded_batch, randomise_, tiny_config
+
+
+def model_of(cls=rr.RoFormerRopeModel, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return randomise_(cls(tiny_config(**overrides)).eval(), seed)
+
+
+def complex_rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Eq. 34 as a complex product over pairs of the last dim, θ_i = 10000^(-2i/F) (independent oracle)."""
+    F = x.shape[-1]
+    theta = 10000.0 ** (-torch.arange(0, F, 2, dtype=torch.float64) / F)
+    angles = positions.double()[:, None] * theta  # (T, F/2)
+    z = torch.view_as_complex(x.double().reshape(*x.shape[:-1], F // 2, 2).contiguous()) * torch.polar(
+        torch.ones_like(angles), angles
+    )
+    return torch.view_as_real(z).reshape(x.shape)
+
+
+def naive_layer0(model, batch, kind, causal=False, placement="before_features", feature_map="elu"):
+    """Layer 0's attention output from an explicit (T, T) weight matrix, float64."""
+    emb = model.embeddings(batch["input_ids"], batch.get("token_type_ids"))
+    attn = model.layers[0].attention
+    B, T, _ = emb.shape
+    H, D = attn.num_heads, attn.head_dim
+    q, k, v = attn.qkv(emb).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).double().unbind(0)  # (B, H, T, D)
+    pos = torch.arange(T)
+    if kind == "linear":
+        phi = (lambda x: torch.nn.functional.elu(x) + 1) if feature_map == "elu" else torch.relu  # noqa: E731
+        qf, kf = phi(q), phi(k)
+        num_w = complex_rotate(qf, pos) @ complex_rotate(kf, pos).transpose(-1, -2)  # (B, H, T, T) eq. 19 numerator
+        den_w = qf @ kf.transpose(-1, -2)  # unrotated denominator
+    else:
+        W = attn.feature_projection.double()  # (M, D)
+        M = W.shape[0]
+
+        def phi(x):  # FAVOR+ positive features of x·D^-1/4 (Lemma 1), no stabiliser
+            x = x * D**-0.25
+            return torch.exp(x @ W.T - 0.5 * x.square().sum(-1, keepdim=True)) / math.sqrt(M)
+
+        if placement == "before_features":
+            qf, kf = phi(complex_rotate(q, pos)), phi(complex_rotate(k, pos))
+            num_w = den_w = qf @ kf.transpose(-1, -2)
+        else:
+            qf, kf = phi(q), phi(k)
+            num_w = complex_rotate(qf, pos) @ complex_rotate(kf, pos).transpose(-1, -2)
+            den_w = qf @ kf.transpose(-1, -2)
+    keep = batch["attention_mask"].bool()[:, None, None, :].expand(B, H, T, T)
+    if causal:
+        keep = keep & torch.ones(T, T, dtype=torch.bool).tril()
+    num_w, den_w = num_w * keep, den_w * keep
+    den = den_w.sum(-1, keepdim=True)
+    out = torch.where(den > 0, (num_w @ v) / den, 0.0)  # (B, H, T, D); no weight at all → 0, as the kernels
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * D).to(emb.dtype))
+
+
+CASES = [
+    ("linear", {}),
+    ("linear", {"linear_feature_map": "relu"}),
+    ("performer", {"performer_nb_features": 64}),
+    ("performer", {"performer_nb_features": 64, "performer_rope_placement": "numerator"}),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind, extra", CASES, ids=["linear-elu", "linear-relu", "performer", "performer-numerator"])
+def test_layer_equals_the_naive_formula(kind, extra, causal):
+    model = model_of(attention_type=kind, is_decoder=causal, **extra).double()
+    batch = padded_batch()
+    if causal:
+        batch.pop("token_type_ids")
+    emb = model.embeddings(batch["input_ids"], batch.get("token_type_ids"))
+    attn = model.layers[0].attention
+    with torch.no_grad():
+        cos_sin = model.rotary_emb(torch.arange(emb.shape[1])[None])
+        kwargs = {}
+        if hasattr(model, "feature_rotary_emb"):
+            kwargs["feature_position_embeddings"] = model.feature_rotary_emb(torch.arange(emb.shape[1])[None])
+        got, _ = attn(emb, cos_sin, attention_mask=batch["attention_mask"].bool(), **kwargs)
+        placement = extra.get("performer_rope_placement", "before_features")
+        expected = naive_layer0(model, batch, kind, causal, placement, extra.get("linear_feature_map", "elu"))
+    valid = batch["attention_mask"].bool()
+    # float64 throughout, but the rotary angles are float32 by design (~1e-7 relative): within 1e-6
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind, extra", CASES[::2] + CASES[3:], ids=["linear", "performer", "performer-numerator"])
+def test_padding_is_invisible_and_every_head_runs(kind, extra):
+    batch = padded_batch()
+    for cls in (rr.RoFormerRopeForMaskedLM, rr.RoFormerRopeForSequenceClassification, rr.RoFormerRopeForTokenClassification):
+        model = model_of(cls, attention_type=kind, **extra)
+        with torch.no_grad():
+            out = model(**batch).logits
+            alone = model(input_ids=batch["input_ids"][-1:, :6], token_type_ids=batch["token_type_ids"][-1:, :6]).logits
+        assert torch.isfinite(out).all()
+        if out.dim() == 3:
+            torch.testing.assert_close(out[-1, :6], alone[0], atol=1e-5, rtol=1e-5)
+    model = model_of(rr.RoFormerRopeForMaskedLM, attention_type=kind, **extra).train()
+    labels = torch.where(torch.rand(batch["input_ids"].shape) < 0.3, batch["input_ids"], -100)
+    model(**batch, labels=labels).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("kind, extra", CASES[::2] + [("linear", {"layer_types": ["full_attention", "linear_attention"]})],
+                         ids=["linear", "performer", "mixed"])
+def test_generate_equals_greedy_full_forwards_with_a_constant_state(kind, extra):
+    model = model_of(rr.RoFormerRopeForCausalLM, attention_type=kind, is_decoder=True, **extra)
+    ids = padded_batch()["input_ids"][:1, :5]
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=12, do_sample=False)
+        sequence = ids
+        for _ in range(12):
+            step = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, step], dim=1)
+        assert torch.equal(generated, sequence)
+        out = model(ids, use_cache=True)
+        layer = out.past_key_values.layers[-1]
+        sizes = [t.numel() for t in layer.state]
+        for _ in range(20):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        assert [t.numel() for t in layer.state] == sizes  # memory does not grow with length
+        assert out.past_key_values.get_seq_length() == 25
+
+
+def test_performer_projection_is_saved_and_redrawn_only_when_asked(tmp_path):
+    model = model_of(rr.RoFormerRopeForMaskedLM, attention_type="performer", performer_nb_features=32)
+    batch = padded_batch()
+    with torch.no_grad():
+        before = model(**batch).logits
+        model.train()
+        model.eval()
+        assert torch.equal(model(**batch).logits, before)  # eval()/train() draw nothing
+    model.save_pretrained(tmp_path)
+    reloaded = rr.RoFormerRopeForMaskedLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.attention_type == "performer"
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, before, atol=0, rtol=0)
+        old = reloaded.roformer.layers[0].attention.feature_projection.clone()
+        reloaded.redraw_features(torch.Generator().manual_seed(1))
+        assert not torch.equal(reloaded.roformer.layers[0].attention.feature_projection, old)
+        assert not torch.equal(reloaded(**batch).logits, before)
+
+
+def test_a_softmax_checkpoint_loads_into_a_linear_model(tmp_path):
+    softmax = model_of(rr.RoFormerRopeForMaskedLM)
+    softmax.save_pretrained(tmp_path)
+    performer = rr.RoFormerRopeForMaskedLM.from_pretrained(tmp_path, attention_type="performer").eval()
+    projection = performer.roformer.layers[0].attention.feature_projection
+    assert projection.shape == (256, 8) and projection.abs().sum() > 0  # drawn, not left empty
+    for name, param in softmax.named_parameters():
+        torch.testing.assert_close(performer.get_parameter(name), param, atol=0, rtol=0)
+
+
+def test_linear_layers_refuse_what_they_cannot_do():
+    model = model_of(attention_type="linear")
+    batch = padded_batch()
+    with pytest.raises(ValueError, match="2-D .* padding mask; a 4-D attention_mask"):
+        model(input_ids=batch["input_ids"], attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
+    with pytest.raises(Exception, match="unilm_mask needs softmax attention"):
+        tiny_config(attention_type="linear", unilm_mask=True)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch, transformers
+    model = transformers.AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    ids = torch.tensor(json.loads(sys.argv[2]))
+    with torch.no_grad():
+        print(json.dumps({"type": model.config.attention_type, "logits": model(input_ids=ids).logits.tolist()}))
+    """
+)
+
+
+def test_saved_folder_keeps_its_type_in_a_fresh_process(tmp_path):
+    model = model_of(rr.RoFormerRopeForMaskedLM, attention_type="performer", performer_nb_features=16)
+    model.save_pretrained(tmp_path)
+    ids = padded_batch()["input_ids"][:1]
+    result = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(ids.tolist())],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["type"] == "performer"
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(out["logits"]), model(input_ids=ids).logits, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["linear", "performer"])
+def test_bf16_at_16k_tokens_stays_finite(kind):
+    model = model_of(attention_type=kind, is_decoder=kind == "linear").to(torch.bfloat16)
+    ids = torch.randint(1, 99, (1, 16384))
+    with torch.no_grad():
+        out = model(input_ids=ids).last_hidden_state
+    assert torch.isfinite(out.float()).all()
