@@ -2,25 +2,31 @@
 
 Pipeline (identical ids to transformers' built-in `RoFormerTokenizer`):
 
-1. added tokens (`[MASK]`, `[SEP]`, user tokens) are cut out of the raw text first;
+1. added tokens with `normalized=False` (`[MASK]`, `[SEP]`, special tokens) are cut out of the raw text;
 2. the rest is normalised like BERT (control characters dropped, whitespace -> space, accents
-   stripped, lower case);
+   stripped, lower case), and added tokens with `normalized=True` (`add_tokens`) are cut out of it
+   (steps 1-2 follow tokenizers' AddedVocabulary: `added_tokens_roformer_rope.py`);
 3. jieba segments the normalised text with HMM off (rjieba when installed, else jieba);
 4. a jieba word found in the vocabulary is one piece; any other word is cut into single Chinese
    characters and runs of other non-space characters;
 5. each piece goes through WordPiece (`##` continuations, `[UNK]` when not coverable), then
    `[CLS] A [SEP] (B [SEP])` is added.
 
-Steps 1-4 run in Python here and step 5 (plus truncation, padding, overflow) runs in a plain
-`tokenizers.Tokenizer` (WhitespaceSplit + WordPiece) fed the pieces joined by spaces. Nothing in the
-Rust object is a Python callback, so the tokenizer pickles and deep-copies (datasets `num_proc`,
-DataLoader workers), and `tokenizer.json` is never written: that file could only describe step 5,
-so a generic loader would silently tokenize without jieba. Offsets are mapped back to the caller's text, so
-`offset_mapping`, `char_to_token` and `word_ids` are usable for QA and NER.
+Steps 1-4 run in Python here (the jieba segmenter and its user dictionary live in
+`jieba_roformer_rope.py`) and step 5 (plus truncation, padding, overflow) runs in a plain
+`tokenizers.Tokenizer` (WhitespaceSplit + WordPiece, no added tokens of its own: see `_encoder_state`)
+fed the pieces joined by spaces. Nothing in the Rust object is a Python callback, so the tokenizer
+pickles and deep-copies (datasets `num_proc`, DataLoader workers), and `tokenizer.json` is never
+written: that file could only describe step 5,
+so a generic loader would silently tokenize without jieba. Offsets are mapped back to the caller's
+text (`offsets_roformer_rope.py`), so `offset_mapping`, `char_to_token` and `word_ids` are usable
+for QA and NER.
 
-Only transformers and the stdlib are imported at module level: the Hub loader refuses a
-remote-code file whose top-level imports are missing, so jieba and `tokenizers` (always present
-with transformers, but not ours to assume at import) are imported where they are used.
+`_encode_plus`, `_encode_without_added_tokens`, `_decode` and `_save_pretrained` override private
+transformers methods; `tests/test_tokenizer_signatures.py` pins their signatures to the installed
+transformers. Only transformers, the stdlib and sibling files are imported at module level: the Hub
+loader refuses a remote-code file whose top-level imports are missing, so jieba and `tokenizers`
+(always present with transformers, but not ours to assume at import) are imported where they are used.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
 
 from transformers.tokenization_utils_base import BatchEncoding, PaddingStrategy, TruncationStrategy
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+from .added_tokens_roformer_rope import AddedTokenMatcher, added_token_matchers
+from .jieba_roformer_rope import JiebaSegmenter, JiebaWord, as_jieba_words, read_jieba_dict, write_jieba_dict
+from .offsets_roformer_rope import AlignedEncoding, Location
 
 VOCAB_FILES_NAMES = {"vocab_file": "vocab.txt", "jieba_dict_file": "jieba_dict.txt"}
 
@@ -43,64 +52,7 @@ _CJK = (
 # a non-vocabulary jieba word splits into single CJK characters and runs of other non-spaces
 _SPLIT_WORD = re.compile(f"[{_CJK}]|[^{_CJK}\\s]+")
 _SPLIT_SPACES = re.compile(r"\S+")
-
-
-class JiebaSegmenter:
-    """`text -> [word]` (jieba with HMM off; the words cover the text) plus the user's dictionary.
-
-    The backend (rjieba's Rust segmenter, or jieba) is created lazily and dropped when pickled, so
-    the segmenter can cross process boundaries; only the custom words travel and are re-applied.
-    Without custom words the process-wide default dictionary is shared (as the built-in does).
-    """
-
-    def __init__(self, words: list[tuple[str, int | None]] | None = None) -> None:
-        self.words: list[tuple[str, int | None]] = list(words or [])
-        self._tokenize = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"words": self.words, "_tokenize": None}
-
-    def add_words(self, words: list[tuple[str, int | None]]) -> None:
-        self.words.extend(words)
-        self._tokenize = None  # rebuilt with the new words on next use
-
-    def _build(self):
-        try:
-            import rjieba
-        except ImportError:
-            rjieba = None
-        if rjieba is not None:
-            seg = rjieba.Jieba() if self.words else rjieba  # the module cuts with its default instance
-            for word, freq in self.words:
-                seg.add_word(word, freq, None)
-            return lambda text: seg.cut(text, hmm=False)
-        try:
-            import jieba
-        except ImportError:
-            raise ImportError(
-                "RoFormerRopeTokenizer needs a jieba segmenter: pip install rjieba (or pip install jieba)"
-            ) from None
-        seg = jieba.Tokenizer() if self.words else jieba.dt
-        for word, freq in self.words:
-            seg.add_word(word, freq)
-        return lambda text: list(seg.cut(text, HMM=False))
-
-    def __call__(self, text: str) -> list[str]:
-        if self._tokenize is None:
-            self._tokenize = self._build()
-        return self._tokenize(text)
-
-
-def read_jieba_dict(path: str) -> list[tuple[str, int | None]]:
-    """Words of a jieba user dictionary (`word [freq] [tag]` per line)."""
-    words = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            parts = line.split()
-            if parts:
-                freq = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-                words.append((parts[0], freq))
-    return words
+_HAS_SPACE = re.compile(r"\s").search
 
 
 def read_vocab_lines(path: str) -> list[str]:
@@ -111,119 +63,6 @@ def read_vocab_lines(path: str) -> list[str]:
 
 def _is_ascii_alnum(ch: str) -> bool:
     return ch.isascii() and ch.isalnum()
-
-
-# (word index of each piece, or None when word = piece; span of each piece: `(start, end)`, or
-# `(start, end, char_starts, char_ends)` when normalisation changed the piece's text; the pieces)
-Location = tuple[list[int] | None, list[tuple], list[str]]
-
-
-def _joined_starts(pieces: list[str]) -> list[int]:
-    """Where each piece starts in `" ".join(pieces)`."""
-    starts, pos = [], 0
-    for piece in pieces:
-        starts.append(pos)
-        pos += len(piece) + 1
-    return starts
-
-
-class AlignedEncoding:
-    """A `tokenizers.Encoding` stand-in whose offsets and word ids refer to the caller's input.
-
-    The backend sees the pieces joined by spaces, so its offsets are positions in that string and
-    its word ids index pieces. `locations[seq] = (words, spans, pieces)` maps them back: `spans[piece]` is
-    the piece's `(start, end)` in the caller's text (in the caller's word for `is_split_into_words`
-    input, where `words[piece]` is that word's index; `words` is None for raw text, whose word ids
-    are piece indices as in the built-in tokenizer).
-    """
-
-    def __init__(self, encoding, locations: list[Location]) -> None:
-        self._encoding = encoding
-        self._locations = locations
-        self._word_ids: list[int | None] | None = None
-        self._offsets: list[tuple[int, int]] | None = None
-
-    def __getattr__(self, name: str):
-        # ids, type_ids, tokens, attention_mask, special_tokens_mask, sequence_ids, n_sequences:
-        # read from the backend encoding on demand (each read copies a Rust vector)
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._encoding, name)
-
-    @property
-    def overflowing(self) -> list[AlignedEncoding]:
-        return [AlignedEncoding(o, self._locations) for o in self._encoding.overflowing]
-
-    def _align(self) -> None:
-        # computed on first use only: most callers never ask for offsets or word ids
-        word_ids, offsets = [], []
-        starts_in_joined = [_joined_starts(pieces) for _, _, pieces in self._locations]
-        for piece, seq, (a, b) in zip(self._encoding.word_ids, self._encoding.sequence_ids, self._encoding.offsets):
-            if piece is None:  # [CLS]/[SEP]/[PAD]
-                word_ids.append(None)
-                offsets.append((0, 0))
-                continue
-            words, spans, _ = self._locations[seq]
-            span = spans[piece]
-            word_ids.append(piece if words is None else words[piece])
-            a -= starts_in_joined[seq][piece]  # backend offsets are in the space-joined pieces
-            b -= starts_in_joined[seq][piece]
-            if len(span) == 2:  # the piece is its source text, unchanged
-                offsets.append((span[0] + a, span[0] + b))
-            else:  # normalisation changed it: per-character source spans
-                starts, ends = span[2], span[3]
-                offsets.append((starts[a] if a < len(starts) else span[1], ends[b - 1] if b > 0 else span[0]))
-        self._word_ids, self._offsets = word_ids, offsets
-
-    @property
-    def word_ids(self) -> list[int | None]:
-        if self._word_ids is None:
-            self._align()
-        return self._word_ids
-
-    @property
-    def offsets(self) -> list[tuple[int, int]]:
-        if self._offsets is None:
-            self._align()
-        return self._offsets
-
-    @property
-    def words(self) -> list[int | None]:
-        return self.word_ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def token_to_sequence(self, token_index: int) -> int | None:
-        return self.sequence_ids[token_index]
-
-    def token_to_word(self, token_index: int) -> int | None:
-        return self.word_ids[token_index]
-
-    def token_to_chars(self, token_index: int) -> tuple[int, int] | None:
-        return None if self.word_ids[token_index] is None else self.offsets[token_index]
-
-    def _tokens_of(self, seq: int):
-        return (i for i, s in enumerate(self.sequence_ids) if s == seq and self.word_ids[i] is not None)
-
-    def word_to_tokens(self, word_index: int, sequence_index: int = 0) -> tuple[int, int] | None:
-        hits = [i for i in self._tokens_of(sequence_index) if self.word_ids[i] == word_index]
-        return (hits[0], hits[-1] + 1) if hits else None
-
-    def word_to_chars(self, word_index: int, sequence_index: int = 0) -> tuple[int, int] | None:
-        hits = [self.offsets[i] for i in self._tokens_of(sequence_index) if self.word_ids[i] == word_index]
-        return (hits[0][0], hits[-1][1]) if hits else None
-
-    def char_to_token(self, char_pos: int, sequence_index: int = 0) -> int | None:
-        for i in self._tokens_of(sequence_index):
-            start, end = self.offsets[i]
-            if start <= char_pos < end:
-                return i
-        return None
-
-    def char_to_word(self, char_pos: int, sequence_index: int = 0) -> int | None:
-        token = self.char_to_token(char_pos, sequence_index)
-        return None if token is None else self.word_ids[token]
 
 
 class RoFormerRopeTokenizer(TokenizersBackend):
@@ -288,9 +127,8 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         self._word_vocab = frozenset(vocab)
         self._tokenize_chinese_chars = tokenize_chinese_chars
 
-        custom: list[tuple[str, int | None]] = read_jieba_dict(jieba_dict_file) if jieba_dict_file else []
-        custom += [(w, None) if isinstance(w, str) else (w[0], w[1]) for w in jieba_words or []]
-        self._segmenter = JiebaSegmenter(custom)
+        custom = read_jieba_dict(jieba_dict_file) if jieba_dict_file else []
+        self._segmenter = JiebaSegmenter(custom + as_jieba_words(jieba_words or []))
 
         self._normalizer = normalizers.BertNormalizer(
             clean_text=True, handle_chinese_chars=False, strip_accents=strip_accents, lowercase=do_lower_case
@@ -305,8 +143,10 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # see _encode_plus
         backend.decoder = decoders.WordPiece(prefix="##")
         self._tokenizer = backend
-        self._added_pattern: re.Pattern | None = None
-        self._added_pattern_key: tuple | None = None
+        self._encoder = None  # see _encoder_state
+        self._encoder_key: tuple | None = None
+        self._matchers: tuple[AddedTokenMatcher, AddedTokenMatcher | None] | None = None
+        self._added_pieces: dict[int, str] = {}
         super().__init__(
             do_lower_case=do_lower_case,
             unk_token=unk_token,
@@ -327,45 +167,101 @@ class RoFormerRopeTokenizer(TokenizersBackend):
     # ---- custom jieba dictionary -------------------------------------------------------------
 
     @property
-    def jieba_words(self) -> list[tuple[str, int | None]]:
+    def jieba_words(self) -> list[JiebaWord]:
         """The user's jieba words (saved to `jieba_dict.txt`)."""
         return list(self._segmenter.words)
 
     def add_jieba_words(self, words: list[str | tuple[str, int]]) -> None:
         """Teach jieba new words (`word` or `(word, freq)`); they are saved with the tokenizer.
-        A word only stays whole if it is also in the vocabulary."""
-        self._segmenter.add_words([(w, None) if isinstance(w, str) else (w[0], w[1]) for w in words])
+        A word only stays whole if it is also in the vocabulary; a word containing whitespace
+        raises `ValueError` (jieba cuts text at whitespace, so it could never match)."""
+        self._segmenter.add_words(as_jieba_words(words))
 
     # ---- text -> pieces ----------------------------------------------------------------------
 
-    def _added_tokens_regex(self, split_special_tokens: bool) -> re.Pattern | None:
-        """Regex of the added tokens to cut out of raw text (cached until tokens are added)."""
-        decoder = self.added_tokens_decoder
-        key = (len(decoder), split_special_tokens)
-        if key != self._added_pattern_key:
-            contents = sorted(
-                (t.content for t in decoder.values() if not (split_special_tokens and t.special)),
-                key=len,
-                reverse=True,
-            )
-            self._added_pattern = re.compile("|".join(map(re.escape, contents))) if contents else None
-            self._added_pattern_key = key
-        return self._added_pattern
+    def _encoder_state(self) -> tuple[AddedTokenMatcher, AddedTokenMatcher | None]:
+        """The added-token matchers, and `self._encoder`: the Rust tokenizer that encodes pieces.
 
-    def _segment_span(self, text: str, begin: int, end: int, out: list[str], spans: list[tuple]) -> None:
-        """Append the pieces of `text[begin:end]` and their spans in `text`."""
+        `self._tokenizer` (the base class's backend) keeps the added tokens, and would match them
+        again inside ordinary pieces (an added `ab` inside the piece `ab` of the text `AB`). The
+        encoder has no added tokens: `_pieces` finds them, and passes each one as a piece WordPiece
+        maps to its id whole: its vocabulary entry, or for ids past the vocabulary a `\\x00<id>`
+        entry of the encoder's own vocabulary (normalised text never holds \\x00). Rebuilt when the
+        added tokens change.
+        """
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        added = self.added_tokens_decoder
+        key = tuple(
+            (i, t.content, t.normalized, t.special, t.single_word, t.lstrip, t.rstrip) for i, t in added.items()
+        )
+        if key != self._encoder_key:
+            model = self._tokenizer.model
+            vocab = self._tokenizer.get_vocab(with_added_tokens=False)
+            pieces: dict[int, str] = {}
+            extra: dict[str, int] = {}
+            whole = model.max_input_chars_per_word  # WordPiece gives [UNK] for a longer piece
+            for i in added:
+                token = model.id_to_token(i)
+                if token is not None and vocab.get(token) == i and len(token) <= whole and not _HAS_SPACE(token):
+                    pieces[i] = token
+                else:
+                    pieces[i] = f"\x00{i}"
+                    extra[pieces[i]] = i
+            if extra:
+                model = models.WordPiece(
+                    {**vocab, **extra},
+                    unk_token=model.unk_token,
+                    continuing_subword_prefix=model.continuing_subword_prefix,
+                    max_input_chars_per_word=model.max_input_chars_per_word,
+                )
+            encoder = Tokenizer(model)
+            encoder.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            self._encoder, self._added_pieces = encoder, pieces
+            self._matchers = added_token_matchers(added, self._normalizer.normalize_str)
+            self._encoder_key = key
+        return self._matchers
+
+    def _segment_span(
+        self,
+        text: str,
+        begin: int,
+        end: int,
+        matcher: AddedTokenMatcher | None,
+        split_special_tokens: bool,
+        out: list[str],
+        spans: list[tuple],
+    ) -> None:
+        """Append the pieces of `text[begin:end]` (normalised, then added tokens with
+        `normalized=True` cut out, the rest segmented) and their spans in `text`."""
         chunk = text[begin:end]
         norm = self._normalizer.normalize_str(chunk)
         if norm == chunk or (len(norm) == len(chunk) and norm == chunk.lower()):
             align = None  # one-to-one: positions in `norm` are positions in `chunk`
         else:
             align = self._aligner.encode(chunk).offsets
+        if matcher is None:
+            self._segment_words(norm, 0, len(norm), begin, align, out, spans)
+            return
+        for token_id, s, e in matcher.split(norm, split_special_tokens):
+            if token_id is None:
+                self._segment_words(norm, s, e, begin, align, out, spans)
+            else:
+                out.append(self._added_pieces[token_id])
+                source = (begin + s, begin + e) if align is None else (begin + align[s][0], begin + align[e - 1][1])
+                spans.append((*source, norm[s:e]))
+
+    def _segment_words(
+        self, norm: str, start: int, stop: int, begin: int, align: list | None, out: list[str], spans: list[tuple]
+    ) -> None:
+        """Append the pieces of the normalised `norm[start:stop]`; `begin` is where `norm`'s source
+        starts in the caller's text, `align[k]` the source span of `norm[k]` (None: one-to-one)."""
         vocab = self._word_vocab
         split = _SPLIT_WORD if self._tokenize_chinese_chars else _SPLIT_SPACES
         add_piece, add_span = out.append, spans.append
-        words = self._segmenter(norm)
+        words = self._segmenter(norm[start:stop] if start or stop < len(norm) else norm)
         if align is None:  # the hot path, kept flat on purpose
-            e = begin
+            e = begin + start
             for word in words:
                 s = e
                 e += len(word)
@@ -381,7 +277,7 @@ class RoFormerRopeTokenizer(TokenizersBackend):
                         add_piece(m.group())
                         add_span((s + m.start(), s + m.end()))
             return
-        e = 0
+        e = start
         for word in words:
             s = e
             e += len(word)
@@ -396,33 +292,39 @@ class RoFormerRopeTokenizer(TokenizersBackend):
                 ends = [begin + align[k][1] for k in range(ps, pe)]
                 add_span((starts[0], ends[-1], starts, ends))
 
-    def _pieces(self, text: str, split_special_tokens: bool) -> tuple[list[str], list[tuple]]:
-        """WordPiece inputs of `text` and their character spans in `text`."""
+    def _pieces(
+        self, text: str, matchers: tuple[AddedTokenMatcher, AddedTokenMatcher | None], split_special_tokens: bool
+    ) -> tuple[list[str], list[tuple]]:
+        """WordPiece inputs of `text` and their character spans in `text` (see `Location`)."""
         pieces: list[str] = []
         spans: list[tuple] = []
-        pattern = self._added_tokens_regex(split_special_tokens)
-        pos = 0
-        if pattern is not None:
-            for m in pattern.finditer(text):
-                self._segment_span(text, pos, m.start(), pieces, spans)
-                pieces.append(m.group())
-                spans.append(m.span())
-                pos = m.end()
-        self._segment_span(text, pos, len(text), pieces, spans)
+        raw, normalized = matchers
+        for token_id, start, end in raw.split(text, split_special_tokens):
+            if token_id is None:
+                self._segment_span(text, start, end, normalized, split_special_tokens, pieces, spans)
+            else:  # added tokens matched in the raw text
+                pieces.append(self._added_pieces[token_id])
+                spans.append((start, end, text[start:end]))
         return pieces, spans
 
-    def _prepare(self, item, is_split_into_words: bool, split_special_tokens: bool) -> tuple[list[str], Location]:
+    def _prepare(
+        self,
+        item,
+        is_split_into_words: bool,
+        matchers: tuple[AddedTokenMatcher, AddedTokenMatcher | None],
+        split_special_tokens: bool,
+    ) -> tuple[list[str], Location]:
         """One input sequence -> its pieces and where each piece comes from."""
         if not is_split_into_words:
             if not isinstance(item, str):
                 raise ValueError(f"text input must be a string or a list of strings, got {type(item).__name__}")
-            pieces, spans = self._pieces(item, split_special_tokens)
+            pieces, spans = self._pieces(item, matchers, split_special_tokens)
             return pieces, (None, spans, pieces)
         pieces, spans, words = [], [], []
         for w, word in enumerate(item):
             if not isinstance(word, str):
                 raise ValueError(f"is_split_into_words expects lists of strings, got {type(word).__name__}")
-            p, sp = self._pieces(word, split_special_tokens)
+            p, sp = self._pieces(word, matchers, split_special_tokens)
             pieces += p
             spans += sp
             words += [w] * len(p)
@@ -473,10 +375,11 @@ class RoFormerRopeTokenizer(TokenizersBackend):
 
         if split_special_tokens is None:
             split_special_tokens = self.split_special_tokens
-        if self._tokenizer.encode_special_tokens != split_special_tokens:
-            self._tokenizer.encode_special_tokens = split_special_tokens
-        first = [self._prepare(t, is_split_into_words, split_special_tokens) for t in texts]
-        second = [self._prepare(t, is_split_into_words, split_special_tokens) for t in pairs] if pairs else None
+        matchers = self._encoder_state()
+        first = [self._prepare(t, is_split_into_words, matchers, split_special_tokens) for t in texts]
+        second = (
+            [self._prepare(t, is_split_into_words, matchers, split_special_tokens) for t in pairs] if pairs else None
+        )
 
         self.set_truncation_and_padding(
             padding_strategy=padding_strategy,
@@ -486,14 +389,22 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             pad_to_multiple_of=pad_to_multiple_of,
             padding_side=padding_side,
         )
-        # pieces never contain whitespace (added tokens may, but the backend matches those before
-        # splitting), so joining them with spaces and splitting on whitespace is lossless; it is
-        # much cheaper for the backend than one pre-tokenized word per piece
+        # the base class configured the backend; the encoder runs with the same settings
+        backend, encoder = self._tokenizer, self._encoder
+        truncation, padding = backend.truncation, backend.padding
+        if encoder.truncation != truncation:
+            encoder.no_truncation() if truncation is None else encoder.enable_truncation(**truncation)
+        if encoder.padding != padding:
+            encoder.no_padding() if padding is None else encoder.enable_padding(**padding)
+        encoder.post_processor = backend.post_processor
+        # pieces never contain whitespace (ordinary pieces are cut at it, added tokens are passed as
+        # whitespace-free stand-ins: see _encoder_state), so joining them with spaces and splitting on
+        # whitespace is lossless; it is much cheaper for the encoder than one pre-tokenized word per piece
         if second is None:
             inputs = [" ".join(a[0]) for a in first]
         else:
             inputs = [(" ".join(a[0]), " ".join(b[0])) for a, b in zip(first, second)]
-        raw = self._tokenizer.encode_batch(inputs, add_special_tokens=add_special_tokens)
+        raw = encoder.encode_batch(inputs, add_special_tokens=add_special_tokens)
         encodings = [
             AlignedEncoding(enc, [a[1]] if second is None else [a[1], second[i][1]])
             for i, (enc, a) in enumerate(zip(raw, first))
@@ -586,9 +497,7 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         files = [vocab_path]
         if self._segmenter.words:
             dict_path = os.path.join(save_directory, prefix + VOCAB_FILES_NAMES["jieba_dict_file"])
-            with open(dict_path, "w", encoding="utf-8") as handle:
-                for word, freq in self._segmenter.words:
-                    handle.write(word + ("" if freq is None else f" {freq}") + "\n")
+            write_jieba_dict(dict_path, self._segmenter.words)
             files.append(dict_path)
         return tuple(files)
 
@@ -603,7 +512,17 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         # would tokenize silently wrong; vocab.txt + tokenizer_config.json (auto_map) suffice.
         # Tokens added after the vocabulary (add_tokens) would live in tokenizer.json, and the
         # base class drops them from tokenizer_config.json for tokenizers-backed classes, so they
-        # go to added_tokens.json, which from_pretrained reads back.
+        # go to added_tokens.json, which from_pretrained reads back. That file holds content -> id
+        # only, so every added token's flags (normalized, lstrip, rstrip, single_word, special: they
+        # decide where it matches) also go to tokenizer_config.json's `added_tokens_decoder`, which
+        # from_pretrained prefers when present.
+        for config_file in (f for f in file_names if str(f).endswith("tokenizer_config.json")):
+            with open(config_file, encoding="utf-8") as handle:
+                config = json.load(handle)
+            decoder = self.added_tokens_decoder
+            config["added_tokens_decoder"] = {str(i): decoder[i].__getstate__() for i in sorted(decoder)}
+            with open(config_file, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         files = file_names + self.save_vocabulary(str(save_directory), filename_prefix)
         base_size = self.vocab_size
         added = {t.content: i for i, t in self.added_tokens_decoder.items() if i >= base_size}

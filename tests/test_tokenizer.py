@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import pickle
+import random
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from roformer_rope.tokenization import build_vocab  # noqa: E402
 from roformer_rope.tokenization.corpus import people_daily_lines, review_lines  # noqa: E402
 
 pytest.importorskip("rjieba")  # the built-in reference needs it
-from transformers import RoFormerTokenizer  # noqa: E402
+from transformers import AddedToken, RoFormerTokenizer  # noqa: E402
 
 IDS = ("input_ids", "token_type_ids", "attention_mask")
 N_DEFAULT = 1500  # lines per corpus in the default (fast) parity test
@@ -395,6 +396,132 @@ def test_fuzz_decode_round_trip_in_vocab(ours, in_vocab_alphabet, data):
     assert ours.decode(ids, skip_special_tokens=True) == text
 
 
+# ---- seeded fuzz: many random texts against the built-in -----------------------------------------
+
+# fragments a real user sends, one list per kind; `_fuzz_texts` mixes them at random
+_CJK_PUNCT = list("，。！？、；：“”‘’（）《》【】…—·「」『』〔〕～￥")
+_ASCII_PUNCT = list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+_ACCENTED = [*"éèêëÉÈàâäçñöüÅåøæœßİıŁłŞşĞğ", "e\u0301", "A\u030a", "\u0301", "\u0308", "\u0327"]
+_SCRIPTS = [*"ΣσςΑβγДдЖж한국어ひらがなカタカナअआกขابت", "\U00020000", "\U0002a700", "\uf900", "\u3400"]
+_WHITESPACE = [" ", "  ", "\t", "\n", "\r\n", "\r", "\u3000", "\xa0", "\u2028", "\u2029", "\u2009", "\u202f"]
+_WHITESPACE += ["\u205f", "\x1c", "\x1f", "\x85", "\x0b", "\x0c", "\u1680", "\u200a"]
+_EMOJI = ["😀", "👍🏽", "🇨🇳", "👨\u200d👩\u200d👧", "1\ufe0f\u20e3", "❤\ufe0f", "🀄", "\U0001f9d1\u200d\U0001f4bb"]
+_CONTROL = [chr(c) for c in (*range(9), 14, 15, 16, 27, 127, 0x80, 0x9F)]
+_CONTROL += ["\ufeff", "\u200b", "\u200c", "\u200d", "\u200e", "\u202e", "\u2066", "\ufffd", "\ue000", "\U000e0001"]
+_CONTROL += ["\U000f0000", "\u00ad", "\u0378"]  # private use, soft hyphen, unassigned
+_SPECIAL = ["[MASK]", "[SEP]", "[CLS]", "[UNK]", "[PAD]", "[mask]", "[MASK", "##", "##a", "[[MASK]]"]
+_FORMS = ["ＡＢＣ", "ａｂｃ", "１２３", "！？", "（）", "Ⅻ", "①", "½", "²", "ﬁ", "㎏", "℃", "№"]
+_ASCII = ["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZabc", "0123456789", "0123456789abcdef.-_"]
+
+
+def _fuzz_texts(rng: random.Random, n: int, lines: list[str], words: list[str]) -> list[str]:
+    """`n` texts of 0-12 fragments (one in fifty: 60-120) drawn from corpus lines, vocabulary words,
+    random CJK, ASCII words (up to 120 chars: WordPiece's 100-char limit) and numbers, punctuation,
+    accents and combining marks, other scripts, whitespace variants, emoji, control and format
+    characters, special-token spellings, full-width and compatibility forms, any code point."""
+    kinds = [
+        lambda: (lambda s: s[rng.randrange(len(s)) :][: rng.randint(1, 30)])(rng.choice(lines)),
+        lambda: rng.choice(words),
+        lambda: "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(1, 6))),
+        lambda: "".join(rng.choices(rng.choice(_ASCII), k=rng.choice([1, 2, 3, 5, 8, 12, 120]))),
+        lambda: str(rng.choice([0, 7, 42, 2024, 3.14, -1, 10**12, 1e-5])),
+        lambda: "".join(rng.choices(_CJK_PUNCT + _ASCII_PUNCT, k=rng.randint(1, 3))),
+        lambda: "".join(rng.choices(_ACCENTED, k=rng.randint(1, 4))),
+        lambda: "".join(rng.choices(_SCRIPTS, k=rng.randint(1, 4))),
+        lambda: rng.choice(_WHITESPACE),
+        lambda: rng.choice(_EMOJI),
+        lambda: rng.choice(_CONTROL),
+        lambda: rng.choice(_SPECIAL),
+        lambda: rng.choice(_FORMS),
+        lambda: chr(rng.choice([rng.randint(0x20, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])),  # no surrogates
+    ]
+    sizes = (rng.randint(60, 120) if rng.random() < 0.02 else rng.randint(0, 12) for _ in range(n))
+    return ["".join(rng.choice(kinds)() for _ in range(size)) for size in sizes]
+
+
+def _assert_batch_same(ours, ref, first, second=None, **kwargs) -> None:
+    """Batch call of both; on a difference, the first few differing inputs and keys in the message."""
+    kw = dict(return_token_type_ids=True, return_offsets_mapping=True, return_special_tokens_mask=True, **kwargs)
+    got, want = ours(first, second, **kw), ref(first, second, **kw)
+    assert got.keys() == want.keys()
+    if all(got[key] == want[key] for key in want):
+        return
+    n = len(want["input_ids"])
+    assert len(got["input_ids"]) == n, f"{len(got['input_ids'])} rows against the built-in's {n}"
+    source = want.get("overflow_to_sample_mapping", range(n))  # row -> input (overflow adds rows)
+    differing = ((source[i], [k for k in want if got[k][i] != want[k][i]]) for i in range(n))
+    bad = [(i, keys) for i, keys in differing if keys]
+    sample = "\n".join(f"{first[i]!r} / {second[i] if second else None!r}: {keys}" for i, keys in bad[:5])
+    raise AssertionError(f"{len(bad)} of {n} rows differ from the built-in, e.g.\n{sample}")
+
+
+def _fuzz_words(vocab) -> list[str]:
+    return [t for t in vocab if not t.startswith(("[", "##"))]
+
+
+def test_fuzz_seeded_sample(ours, ref, vocab, lines):
+    texts = _fuzz_texts(random.Random(0), 400, lines, _fuzz_words(vocab))
+    _assert_batch_same(ours, ref, texts)
+    _assert_batch_same(ours, ref, texts[:200], texts[200:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_seeded_many_texts(ours, ref, vocab, lines, seed):
+    """6000 texts per seed: singles, pairs, truncation with overflow, split words; same ids, type ids,
+    attention mask, offsets and special-tokens mask as the built-in."""
+    rng = random.Random(seed)
+    texts = _fuzz_texts(rng, 6000, lines, _fuzz_words(vocab))
+    _assert_batch_same(ours, ref, texts)
+    _assert_batch_same(ours, ref, texts[:3000], texts[3000:])
+    _assert_batch_same(ours, ref, texts[:1000], texts[1000:2000], split_special_tokens=True)
+    for kwargs in (
+        dict(truncation=True, max_length=16, return_overflowing_tokens=True, stride=3),
+        dict(truncation="longest_first", max_length=12, padding="max_length", return_overflowing_tokens=True),
+        dict(truncation=True, max_length=20, padding=True, padding_side="left"),
+    ):
+        _assert_batch_same(ours, ref, texts[2000:2500], texts[2500:3000], **kwargs)
+    words = [[t[i : i + rng.randint(1, 5)] for i in range(0, len(t), 3)] for t in texts[:1000]]
+    _assert_batch_same(ours, ref, words, is_split_into_words=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(do_lower_case=False), dict(strip_accents=False), dict(strip_accents=True)])
+def test_fuzz_seeded_normalisation_options(vocab, lines, options):
+    ours, ref = RoFormerRopeTokenizer(vocab=vocab, **options), RoFormerTokenizer(vocab=vocab, **options)
+    texts = _fuzz_texts(random.Random(10), 3000, lines, _fuzz_words(vocab))
+    _assert_batch_same(ours, ref, texts)
+
+
+# flags of the added tokens in the added-token fuzz: tokenizers' defaults, then each option it honours
+_ADDED_FLAGS = {
+    "defaults": ({}, {}),
+    "stripped": (dict(lstrip=True), dict(rstrip=True)),
+    "single_word": (dict(single_word=True), dict(single_word=True, lstrip=True)),
+    "normalization_flipped": (dict(normalized=False), dict(normalized=True)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", sorted(_ADDED_FLAGS))
+def test_fuzz_seeded_added_tokens(vocab, lines, flags):
+    """Added tokens (one holding a space, a CJK prefix of a vocabulary word, a vocabulary word,
+    mixed case, special ones) are cut out of the text exactly as the built-in does, for each flag."""
+    plain_flags, special_flags = _ADDED_FLAGS[flags]
+    plain = ["<e1>", "</e1>", "北京大", "ab c", "Hello", "😀x", "##q", "中国", "ab"]
+    special = ["<ent>", "[NEW]", "Ｘ"]
+    ours, ref = RoFormerRopeTokenizer(vocab=vocab), RoFormerTokenizer(vocab=vocab)
+    for tokenizer in (ours, ref):
+        tokenizer.add_tokens([AddedToken(t, **plain_flags) for t in plain])
+        tokenizer.add_tokens([AddedToken(t, special=True, **special_flags) for t in special], special_tokens=True)
+    variants = [v for t in plain + special for v in (t, t.upper(), t.lower(), f" {t} ", f"x{t}y")]
+    texts = _fuzz_texts(random.Random(20), 4000, lines, _fuzz_words(vocab) + variants * 30)
+    _assert_batch_same(ours, ref, texts)
+    _assert_batch_same(ours, ref, texts[:2000], texts[2000:], split_special_tokens=True)
+    got, want = ours(texts[:500]), ref(texts[:500])
+    assert [got.tokens(i) for i in range(500)] == [want.tokens(i) for i in range(500)]
+
+
 # ---- segmenter fallback -------------------------------------------------------------------------
 
 
@@ -436,3 +563,36 @@ def test_added_tokens_match_builtin_and_survive_save(vocab, tmp_path):
     loaded = RoFormerRopeTokenizer.from_pretrained(tmp_path)
     assert loaded(text)["input_ids"] == tok(text)["input_ids"] and len(loaded) == len(tok)
     assert "<ent>" in loaded.all_special_tokens
+
+
+# (added tokens, texts): each case was a difference before added tokens were matched like tokenizers does
+ADDED_TOKEN_CASES = [
+    # add_tokens' default normalized=True: matched in the normalised text, so any case / accent form
+    ([AddedToken("Hello")], ["Hello hello HELLO", "1️⃣helloéä求", "xhelloy"]),
+    ([AddedToken("Wörld")], ["Wörld world WÖRLD wo\u0308rld"]),
+    ([AddedToken("Ab", normalized=True, special=True)], ["Ab ab AB", "ab a\x00b"]),
+    # normalized=False: matched in the raw text only, never inside the normalised pieces
+    ([AddedToken("ab", special=True, normalized=False)], ["ab AB a\x00b xab"]),
+    ([AddedToken("ab", single_word=True, normalized=False)], ["ab abc xab ab. AB"]),
+    # lstrip / rstrip take the whitespace into the token's offsets
+    ([AddedToken("<m>", lstrip=True, special=True, normalized=False)], ["x  <m>  y", "<m>", "\u3000<m>"]),
+    ([AddedToken("<m>", rstrip=True, normalized=False), AddedToken("非常", normalized=False)], ["x  <m> y 非常好", "<m>\t"]),
+]
+
+
+@pytest.mark.parametrize(("tokens", "texts"), ADDED_TOKEN_CASES)
+def test_added_token_flags_match_builtin(vocab, tokens, texts, tmp_path):
+    tok, reference = RoFormerRopeTokenizer(vocab=vocab), RoFormerTokenizer(vocab=vocab)
+    for t in (tok, reference):
+        t.add_tokens(tokens, special_tokens=tokens[0].special)
+    kw = dict(return_token_type_ids=True, return_offsets_mapping=True, return_special_tokens_mask=True)
+    for split in (False, True):
+        got, want = tok(texts, split_special_tokens=split, **kw), reference(texts, split_special_tokens=split, **kw)
+        assert_same(got, want, (*IDS, "offset_mapping", "special_tokens_mask"))
+        assert [got.tokens(i) for i in range(len(texts))] == [want.tokens(i) for i in range(len(texts))]
+    # the flags decide where a token matches, so they survive save -> reload
+    tok.save_pretrained(tmp_path)
+    loaded = RoFormerRopeTokenizer.from_pretrained(tmp_path)
+    assert loaded.added_tokens_decoder == tok.added_tokens_decoder
+    assert_same(loaded(texts, **kw), tok(texts, **kw), (*IDS, "offset_mapping"))
+
