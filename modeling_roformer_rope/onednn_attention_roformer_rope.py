@@ -30,7 +30,7 @@ Shapes: B batch, H heads, T queries, S keys, D head size, Q a block of queries.
 import torch
 from torch import nn
 
-from .onednn_roformer_rope import _LINEAR_POINTWISE, read_settings, settings, tracing
+from .onednn_roformer_rope import _LINEAR_POINTWISE, calibration, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
 MIN_KEYS = settings.onednn_attention_min_keys
@@ -51,9 +51,10 @@ def onednn_attention_applies(
     """Whether `onednn_attention` can and should replace SDPA for these inputs."""
     if tracing():  # tracers get SDPA; decided before any shape is read, which would become a guard
         return False
-    return (
+    mode = read_settings()
+    applicable = (
         _LINEAR_POINTWISE is not None
-        and read_settings().onednn_attention
+        and mode.onednn_attention_enabled
         and query.device.type == "cpu"
         and query.dtype == key.dtype
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -63,6 +64,18 @@ def onednn_attention_applies(
         and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)))
         and (attention_mask is None or attention_mask.dim() == 4)
     )
+    if not applicable or mode.onednn_attention == "on":
+        return applicable
+    return _faster_here(query, key, value) == "onednn"
+
+
+def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> str:
+    """Ours or SDPA for this (dtype, key-length bucket), timed once on one head and ≤ 256 queries."""
+    value = key if value is None else value
+    shape_class = ("attention", str(query.dtype), calibration.length_bucket(key.shape[2]))
+    q, k, v = (t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return calibration.choose(shape_class, {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)})
 
 
 def _masked_scores(

@@ -3,6 +3,9 @@
 What lives here (and nowhere else):
 - `settings`: the `ROFORMER_ROPE_*` switches, read once at import; a malformed value is ignored with a warning,
   never an import error.
+- the dispatch: oneDNN or `F.linear` for each GEMM (forward and backward) is whichever is faster *on this CPU*,
+  measured once per shape class (`calibration_roformer_rope.py`); a bf16/fp16 model on a CPU without native
+  support for its dtype logs one warning (it runs several times slower than float32 there).
 - `tracing()`: torch.compile / export / jit / ONNX tracing, where every eager-only path steps aside.
 - `RoFormerRopeLinear` / `linear`: `nn.Linear` whose CPU float32 GEMMs (forward *and* backward) run on oneDNN.
 - `rotate_qkv`: the rotary step of a fused QKV projection: one complex multiply in eager mode (in place at
@@ -21,8 +24,9 @@ formula, so `_OneDNNLinear` supplies one. Everything else (other devices and dty
 torch build without the op) falls back to `F.linear`, so the module is a drop-in `nn.Linear` with the same
 parameters and state-dict keys.
 
-Switches: `ROFORMER_ROPE_ONEDNN=0` turns off every oneDNN path; `ROFORMER_ROPE_ONEDNN_ATTENTION=0` only the
-attention kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` moves its threshold (default 384 keys).
+Switches: `ROFORMER_ROPE_ONEDNN=0` turns off every oneDNN path, `=1` uses it wherever it applies without
+measuring (unset or `auto`: measure); `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1|auto` does the same for the attention
+kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length limit (default 384 keys).
 """
 
 import logging
@@ -34,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUActivation
 
+from . import calibration_roformer_rope as calibration
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -46,16 +51,18 @@ def _ignore(name: str, value: str, expected: str, default) -> None:
         logger.warning("ignoring %s=%r: expected %s; using %s", name, value, expected, default)
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    if value.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if value.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    _ignore(name, value, "0 or 1", int(default))
-    return default
+def _env_mode(name: str) -> str:
+    """"off", "on" or "auto" (measure) from 0 / 1 / auto (also false/true, no/yes, off/on)."""
+    raw = os.environ.get(name) or ""
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    _ignore(name, raw, "0, 1 or auto", "auto")
+    return "auto"
 
 
 def _env_int(name: str, default: int, minimum: int = 0) -> int:
@@ -74,15 +81,19 @@ def _env_int(name: str, default: int, minimum: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    onednn: bool = True  # oneDNN GEMMs for CPU float32 linears (and the attention kernel)
-    onednn_attention: bool = True  # our blocked attention kernel where it applies
-    onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins
+    onednn: str = "auto"  # oneDNN GEMMs for CPU linears (and the attention kernel): "auto" | "on" | "off"
+    onednn_attention: str = "auto"  # our blocked attention kernel where it applies: "auto" | "on" | "off"
+    onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
+
+    @property
+    def onednn_attention_enabled(self) -> bool:
+        return self.onednn != "off" and self.onednn_attention != "off"
 
 
 def read_settings() -> Settings:
     return Settings(
-        onednn=_env_flag("ROFORMER_ROPE_ONEDNN", True),
-        onednn_attention=_env_flag("ROFORMER_ROPE_ONEDNN_ATTENTION", True),
+        onednn=_env_mode("ROFORMER_ROPE_ONEDNN"),
+        onednn_attention=_env_mode("ROFORMER_ROPE_ONEDNN_ATTENTION"),
         onednn_attention_min_keys=_env_int("ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS", 384),
     )
 
@@ -98,7 +109,7 @@ def tracing() -> bool:
 
 def _onednn_op():
     """The oneDNN linear op, or None when switched off or this torch build lacks it (checked once, tiny call)."""
-    if not settings.onednn or not torch.backends.mkldnn.is_available():
+    if settings.onednn == "off" or not torch.backends.mkldnn.is_available():
         return None
     try:
         op = torch.ops.mkldnn._linear_pointwise
@@ -111,6 +122,29 @@ def _onednn_op():
 
 
 _LINEAR_POINTWISE = _onednn_op()
+if settings.onednn == "on":
+    calibration.force("linear", "onednn")
+    calibration.force("linear_backward", "onednn")
+
+# Dtypes the CPU computes natively (else emulated: bf16 runs ~7× slower than float32 on an AVX2-only EPYC).
+_NATIVE = {
+    torch.bfloat16: getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+    torch.float16: getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)(),
+}
+_warned_dtypes: set = set()
+
+
+def warn_if_emulated(x: torch.Tensor) -> None:
+    """One warning per dtype when a bf16/fp16 model runs on a CPU without instructions for it."""
+    if x.device.type == "cpu" and x.dtype in _NATIVE and not _NATIVE[x.dtype] and x.dtype not in _warned_dtypes:
+        _warned_dtypes.add(x.dtype)
+        logger.warning(
+            "%s on this CPU (no %s instructions) is emulated and runs several times slower than float32 "
+            "(measured 7× on an AVX2-only EPYC); use float32 here",
+            x.dtype,
+            "AVX512-BF16/AMX" if x.dtype == torch.bfloat16 else "AMX-FP16",
+        )
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,32 +168,63 @@ class _OneDNNLinear(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         go = grad_output.reshape(-1, weight.shape[0]).contiguous()  # (N, O)
         grad_x = grad_w = grad_b = None
+        use_onednn = _backward_choice(go, x2d, weight) == "onednn"
         if ctx.needs_input_grad[0]:
-            # grad_x = go · W: a linear layer whose "weight" is Wᵀ (I, O).
-            grad_x = _mm(go, weight.t().contiguous(), None).view(ctx.input_shape)
+            # grad_x = go · W: on oneDNN a linear layer whose "weight" is Wᵀ (I, O).
+            grad_x = (_mm(go, weight.t().contiguous(), None) if use_onednn else go.mm(weight)).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            # grad_W = goᵀ · x: a linear layer on goᵀ (O, N) whose "weight" is xᵀ (I, N).
-            grad_w = _mm(go.t().contiguous(), x2d.t().contiguous(), None)
+            # grad_W = goᵀ · x: on oneDNN a linear layer on goᵀ (O, N) whose "weight" is xᵀ (I, N).
+            grad_w = _mm(go.t().contiguous(), x2d.t().contiguous(), None) if use_onednn else go.t().mm(x2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = go.sum(0)
         return grad_x, grad_w, grad_b
 
 
-def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+_PROXY_ROWS = 256  # rows of the slice a shape class is timed on
+
+
+def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> str:
+    """oneDNN (with its operand transposes) or BLAS `mm` (reads transposes in place) for the backward GEMMs."""
+    key = ("linear_backward", str(go.dtype), weight.shape[1], weight.shape[0], calibration.row_bucket(go.shape[0]))
+    g, x = go[:_PROXY_ROWS], x2d[:_PROXY_ROWS]
+
+    def onednn():
+        _mm(g, weight.t().contiguous(), None)
+        _mm(g.t().contiguous(), x.t().contiguous(), None)
+
+    def blas():
+        g.mm(weight)
+        g.t().mm(x)
+
+    return calibration.choose(key, {"onednn": onednn, "torch": blas})
+
+
+def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         _LINEAR_POINTWISE is not None
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
+        and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _NATIVE[torch.bfloat16]))
+        and weight.dtype == x.dtype
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
         and not tracing()
     )
 
 
+def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """oneDNN or `F.linear` for this GEMM's shape class, measured once (see `calibration_roformer_rope.py`)."""
+    rows = x.numel() // x.shape[-1]
+    key = ("linear", str(x.dtype), weight.shape[1], weight.shape[0], calibration.row_bucket(rows))
+    proxy = x.detach().reshape(-1, x.shape[-1])[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
+    w, b = weight.detach(), None if bias is None else bias.detach()
+    return calibration.choose(key, {"onednn": lambda: _mm(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)})
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` semantics; oneDNN GEMMs for CPU float32 (see the module docstring)."""
-    if not _use_onednn(x, weight):
+    """`F.linear` semantics; the GEMMs of CPU float32/bf16 run on oneDNN where that is faster on this CPU."""
+    if x.dtype != torch.float32:
+        warn_if_emulated(x)
+    if not _onednn_applies(x, weight) or _forward_choice(x, weight, bias) != "onednn":
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _OneDNNLinear.apply(x, weight, bias)
@@ -227,6 +292,7 @@ def activation(act_fn: nn.Module, x: torch.Tensor, *producers: nn.Module) -> tor
 __all__ = [
     "RoFormerRopeLinear",
     "activation",
+    "calibration",
     "hooked",
     "linear",
     "may_modify_in_place",

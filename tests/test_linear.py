@@ -12,6 +12,16 @@ from modeling_roformer_rope import onednn_roformer_rope as lin
 needs_onednn = pytest.mark.skipif(lin._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
 
 
+@pytest.fixture(autouse=True, params=["onednn", "torch"])
+def backward_path(request):
+    """These tests are about the oneDNN forward; its backward runs either way the dispatcher may pick."""
+    lin.calibration.force("linear", "onednn")
+    lin.calibration.force("linear_backward", request.param)
+    yield request.param
+    lin.calibration.force("linear", None)
+    lin.calibration.force("linear_backward", None)
+
+
 @needs_onednn
 @pytest.mark.parametrize("shape", [(7, 16), (2, 5, 16), (2, 3, 4, 16)])
 @pytest.mark.parametrize("bias", [True, False])

@@ -14,6 +14,15 @@ from roformer_rope.conversion.from_transformers import convert_model
 pytestmark = pytest.mark.skipif(oa._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
 
 
+@pytest.fixture(autouse=True)
+def kernel_chosen():
+    """These tests are about our kernel: where it applies, the dispatcher is told to pick it (on a CPU where
+    SDPA measures faster it would pick SDPA; test_dispatch.py covers that choice)."""
+    oa.calibration.force("attention", "onednn")
+    yield
+    oa.calibration.force("attention", None)
+
+
 def oracle(q, k, v, mask=None, scaling=None, is_causal=False) -> torch.Tensor:
     """Naive float64 softmax attention → (B, T, H, Dv); fully masked rows → 0 (as SDPA on CPU)."""
     q, k, v = q.double(), k.double(), v.double()

@@ -1,0 +1,98 @@
+"""The measured dispatch: every path it can choose gives the built-in's numbers, choices are visible and overridable."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import builtin_model, padded_batch
+from modeling_roformer_rope import calibration_roformer_rope as calibration
+from modeling_roformer_rope import onednn_roformer_rope as fast
+from roformer_rope.conversion.from_transformers import convert_model
+
+needs_onednn = pytest.mark.skipif(fast._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
+
+
+@pytest.fixture
+def forced():
+    def force(**paths):
+        for kind, path in paths.items():
+            calibration.force(kind, path)
+
+    yield force
+    for kind in ("linear", "linear_backward", "attention"):
+        calibration.force(kind, None)
+
+
+@needs_onednn
+@pytest.mark.parametrize("attention", ["onednn", "sdpa"])
+@pytest.mark.parametrize("linear, backward", [("onednn", "onednn"), ("onednn", "torch"), ("torch", "torch")])
+def test_every_path_equals_the_builtin(forced, linear, backward, attention):
+    """Forward (at a length where the attention kernel may run) and gradients, per forced path."""
+    forced(linear=linear, linear_backward=backward, attention=attention)
+    builtin = builtin_model("RoFormerForMaskedLM", max_position_embeddings=512)
+    ours = convert_model(builtin).eval()
+    batch = padded_batch(seq_len=400)
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch).logits[valid], builtin(**batch).logits[valid], atol=1e-4, rtol=1e-4)
+    labels = torch.where(valid, batch["input_ids"], -100)
+    ours.train(), builtin.train()
+    ours(**batch, labels=labels).loss.backward()
+    builtin(**batch, labels=labels).loss.backward()
+    theirs = dict(builtin.named_parameters())
+    q_grad = ours.roformer.layers[0].attention.qkv.weight.grad[:32]  # our fused q rows = their query weight
+    torch.testing.assert_close(q_grad, theirs["roformer.encoder.layer.0.attention.self.query.weight"].grad,
+                               atol=1e-5, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        ours.lm_head.dense.weight.grad, theirs["cls.predictions.transform.dense.weight"].grad, atol=1e-5, rtol=1e-4
+    )
+
+
+@needs_onednn
+def test_choices_are_measured_once_and_logged(caplog):
+    calibration.reset()
+    layer = fast.RoFormerRopeLinear(48, 40)
+    x = torch.randn(300, 48)
+    with caplog.at_level(logging.DEBUG, logger=calibration.__name__), torch.no_grad():
+        first = layer(x)
+        layer(x)
+        layer(torch.randn(310, 48))  # same shape class: no new measurement
+    made = calibration.decisions()
+    assert len(made) == 1 and made[0]["class"] == ["linear", "torch.float32", 48, 40, 1024]
+    assert made[0]["choice"] in ("onednn", "torch") and set(made[0]["ms"]) == {"onednn", "torch"}
+    assert len([r for r in caplog.records if "roformer_rope dispatch" in r.getMessage()]) == 1
+    torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value, expected", [("0", "torch"), ("1", "onednn"), ("auto", "measured"), ("", "measured")])
+def test_environment_forces_or_measures(value, expected):
+    probe = (
+        "import json, torch; from modeling_roformer_rope import onednn_roformer_rope as f\n"
+        "l = f.RoFormerRopeLinear(16, 8); x = torch.randn(4, 16, requires_grad=True); y = l(x)\n"
+        "print(json.dumps({'fn': type(y.grad_fn).__name__, 'n': len(f.calibration.decisions())}))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env={"ROFORMER_ROPE_ONEDNN": value, "PATH": ""})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    if expected == "torch":
+        assert out == {"fn": "AddmmBackward0", "n": 0}
+    elif expected == "onednn":
+        assert out["fn"] == "_OneDNNLinearBackward" and out["n"] == 0  # forced: nothing measured
+    else:
+        assert out["n"] == 1 and out["fn"] in ("_OneDNNLinearBackward", "AddmmBackward0")
+
+
+def test_emulated_bf16_warns_once(monkeypatch, caplog):
+    monkeypatch.setitem(fast._NATIVE, torch.bfloat16, False)
+    monkeypatch.setattr(fast, "_warned_dtypes", set())
+    layer = fast.RoFormerRopeLinear(16, 8).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger=fast.__name__), torch.no_grad():
+        layer(torch.randn(3, 16, dtype=torch.bfloat16))
+        layer(torch.randn(3, 16, dtype=torch.bfloat16))
+    warnings = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warnings) == 1 and "use float32 here" in warnings[0]
