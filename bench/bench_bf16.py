@@ -1,4 +1,4 @@
-"""bf16 forward on CPU vs our fp32 and the built-in fp32 (same weights, bf16 = our model cast with `.to`).
+"""bf16 forward on CPU: ours bf16 vs the built-in bf16 (same dtype), and vs both fp32 (same weights, `.to`).
 
     python bench/bench_bf16.py --layers 4 --reps 5
 
@@ -32,6 +32,7 @@ SHAPES = [(4, 512), (1, 4096)]
 def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
     builtin, ours = make_pair(layers, 8192)
     ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)
+    builtin_bf16 = copy.deepcopy(builtin).to(torch.bfloat16)
     results = []
     for batch, length in shapes:
         inputs = random_batch(batch, length)
@@ -48,9 +49,10 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
                     "builtin": partial(builtin, **inputs),
                     "ours": partial(ours, **inputs),
                     "ours_bf16": partial(ours_bf16, **inputs),
+                    "builtin_bf16": partial(builtin_bf16, **inputs),
                 },
                 reps=reps,
-                warmup=0,  # all three just ran once
+                warmup=1,  # the built-in bf16 model has not run yet
             )
         results.append(
             dict(
@@ -61,14 +63,16 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
                 builtin_s=timing.median("builtin"),
                 ours_s=timing.median("ours"),
                 bf16_s=timing.median("ours_bf16"),
+                builtin_bf16_s=timing.median("builtin_bf16"),
+                bf16_vs_builtin_bf16=timing.ratio("builtin_bf16", "ours_bf16"),
                 bf16_vs_fp32=timing.ratio("ours", "ours_bf16"),
                 bf16_vs_builtin=timing.ratio("builtin", "ours_bf16"),
                 times=timing.times,
             )
         )
         print(
-            f"bf16 {shape_name(batch, length)}: ours bf16 {fmt_ms(results[-1]['bf16_s'])} ms, "
-            f"ours fp32 {fmt_ms(results[-1]['ours_s'])} ms",
+            f"bf16 {shape_name(batch, length)}: ours bf16 {fmt_ms(results[-1]['bf16_s'])} ms, built-in bf16 "
+            f"{fmt_ms(results[-1]['builtin_bf16_s'])} ms, ours fp32 {fmt_ms(results[-1]['ours_s'])} ms",
             flush=True,
         )
     rows = [
@@ -76,7 +80,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
             shape_name(r["batch"], r["length"]),
             fmt_ms(r["builtin_s"]),
             fmt_ms(r["ours_s"]),
+            fmt_ms(r["builtin_bf16_s"]),
             fmt_ms(r["bf16_s"]),
+            f"{r['bf16_vs_builtin_bf16']:.2f}×",
             f"{r['bf16_vs_fp32']:.2f}×",
             f"{r['bf16_vs_builtin']:.2f}×",
             f"{r['bf16_rel_err']:.1e}",
@@ -93,6 +99,7 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
             {
                 "built-in fp32": [1000 * r["builtin_s"] for r in results],
                 "ours fp32": [1000 * r["ours_s"] for r in results],
+                "built-in bf16": [1000 * r["builtin_bf16_s"] for r in results],
                 "ours bf16": [1000 * r["bf16_s"] for r in results],
             },
             "ms",
@@ -109,9 +116,11 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
         "B×T",
         "built-in fp32 ms",
         "ours fp32 ms",
+        "built-in bf16 ms",
         "ours bf16 ms",
+        "ours bf16 vs built-in bf16",
         "bf16 vs ours fp32",
-        "bf16 vs built-in",
+        "ours bf16 vs built-in fp32",
         "bf16 rel. error",
     ]
     return [Section("bf16", "bf16 forward (CPU)", method, headers, rows, plot, {"rows": results})]

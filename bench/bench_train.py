@@ -21,9 +21,12 @@ SHAPES = [(8, 128), (4, 512)]
 GOALS = {(4, 512): 1.5}
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict) -> torch.Tensor:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, bf16: bool = False) -> torch.Tensor:
+    """One MLM step; `bf16`: forward and backward under CPU bf16 autocast (fp32 master weights, as mixed
+    precision training runs)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(**inputs).loss
     loss.backward()
     optimizer.step()
     return loss
@@ -66,11 +69,11 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
         diff = max(check_train_parity(builtin, ours, inputs), check_train_parity(builtin, sparse, inputs))
         models = {"builtin": builtin, "ours": ours, "ours_sparse": sparse}
         optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, weight_decay=0.01) for k, m in models.items()}
-        timing = interleaved(
-            {k: partial(train_step, m, optimizers[k], inputs) for k, m in models.items()},
-            reps=reps,
-            warmup=1,  # first AdamW step allocates its state
-        )
+        steps = {k: partial(train_step, m, optimizers[k], inputs) for k, m in models.items()}
+        # bf16 autocast training, both models alike (the built-in in the same dtype as ours)
+        steps["builtin_bf16"] = partial(train_step, builtin, optimizers["builtin"], inputs, True)
+        steps["ours_bf16"] = partial(train_step, sparse, optimizers["ours_sparse"], inputs, True)
+        timing = interleaved(steps, reps=reps, warmup=1)  # first AdamW step allocates its state
         r = dict(
             batch=batch,
             length=length,
@@ -80,6 +83,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
             sparse_s=timing.median("ours_sparse"),
             speedup=timing.ratio("builtin", "ours"),
             sparse_speedup=timing.ratio("builtin", "ours_sparse"),
+            builtin_bf16_s=timing.median("builtin_bf16"),
+            bf16_s=timing.median("ours_bf16"),
+            bf16_speedup=timing.ratio("builtin_bf16", "ours_bf16"),
             times=timing.times,
         )
         results.append(r)
@@ -100,6 +106,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
                 f"{r['speedup']:.2f}× {goal_cell(r['speedup'], goal)}",
                 fmt_ms(r["sparse_s"]),
                 f"{r['sparse_speedup']:.2f}× {goal_cell(r['sparse_speedup'], goal)}",
+                fmt_ms(r["builtin_bf16_s"]),
+                fmt_ms(r["bf16_s"]),
+                f"{r['bf16_speedup']:.2f}×",
                 f"{r['max_abs_diff']:.1e}",
             ]
         )
@@ -124,7 +133,8 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
         "twice: as converted (the decoder on every position, like the built-in) and with `sparse_prediction=True` "
         "(decoder on the labelled positions only; same loss and gradients). Dropout 0 (parity: loss and "
         f"word-embedding gradient agree with the built-in, worst max abs diff shown). Median of {reps} interleaved "
-        "steps after one warm-up step; speed-ups are built-in / ours."
+        "steps after one warm-up step; speed-ups are built-in / ours. bf16: both models' forward and backward under "
+        "`torch.autocast('cpu', dtype=torch.bfloat16)` (fp32 master weights and AdamW), ours with `sparse_prediction`."
     )
     headers = [
         "B×T",
@@ -133,6 +143,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
         "speed-up",
         "ours sparse_prediction ms",
         "speed-up (sparse)",
+        "built-in bf16 autocast ms",
+        "ours bf16 autocast (sparse) ms",
+        "speed-up (bf16)",
         "max abs diff (loss, grad)",
     ]
     return [Section("train", "Training step (fp32)", method, headers, rows, plot, {"rows": results})]

@@ -172,6 +172,25 @@ def package_version() -> str:
         return version
 
 
+def isa_level(flags: set[str] | None = None) -> str:
+    """The instruction-set class that decides our kernels' speed: amx, avx512-bf16, avx512, avx2 or generic."""
+    flags = cpu_flags() if flags is None else flags
+    for level, flag in (("amx", "amx_tile"), ("avx512-bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return level
+    return "generic"
+
+
+def cpu_tag() -> str:
+    """A folder name per CPU kind, e.g. `amd-epyc-avx2` or `intel-xeon-platinum-8488c-amx`: results measured on
+    different CPUs never overwrite each other."""
+    import re
+
+    model = re.sub(r"\((r|tm)\)|cpu|@.*|processor|\d+-core", "", cpu_model().lower())
+    slug = "-".join(re.findall(r"[a-z0-9]+", model))[:40] or "cpu"
+    return f"{slug}-{isa_level()}"
+
+
 def machine() -> dict[str, str]:
     flags = cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
@@ -179,6 +198,7 @@ def machine() -> dict[str, str]:
     return {
         "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "CPU": f"{cpu_model()} ({os.cpu_count()} logical cores; {' '.join(isa) or 'no AVX2'})",
+        "CPU folder": cpu_tag(),
         "memory": f"{mem_gb:.0f} GiB",
         "torch threads": str(torch.get_num_threads()),
         "torch CPU capability": torch.backends.cpu.get_cpu_capability(),

@@ -5,8 +5,11 @@
     python bench/run_all.py --quick             # smoke run: 2 layers, fewer shapes and repetitions, < 3 min
     python bench/run_all.py --only forward,train --out /tmp/bench
 
-Output folder: bench/results/ for the default (12-layer) run, bench/results/layers{N}/ for other depths,
-bench/results/quick/ for --quick (override with --out). Each run writes README.md (machine, method, summary
+Output folder: one per CPU kind, bench/results/<cpu>/ (e.g. amd-epyc-avx2, amd-epyc-avx512-bf16,
+intel-...-amx: see common.cpu_tag) for the default (12-layer) run, bench/results/<cpu>/layers{N}/ for other
+depths, bench/results/<cpu>/quick/ for --quick (override with --out). The CPU model and its ISA flags head
+every README, and the dispatch choices the run made on this CPU (oneDNN or BLAS per GEMM class, our attention
+or SDPA per length) are listed. Each run writes README.md (machine, method, summary
 and tables), summary.md (the headline table alone), results.json (raw per-repetition times) and one PNG
 per benchmark. Never a test: timings depend on the machine and its load; ratios are measured within one
 process on interleaved runs. On a busy machine pass --threads 1 or rerun: 2-thread kernels lose most when
@@ -32,7 +35,7 @@ import bench_forward  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_train  # noqa: E402
 import export_onnx  # noqa: E402
-from common import Section, fmt_ms, goal_cell, machine, markdown_table, shape_name  # noqa: E402
+from common import Section, cpu_tag, fmt_ms, goal_cell, machine, markdown_table, shape_name  # noqa: E402
 
 BENCHMARKS = ("forward", "train", "memory", "bf16", "compile", "export")
 
@@ -116,14 +119,25 @@ def summary(sections: dict[str, Section]) -> str:
                     mark(ratio, bench_floor.FLOOR_GOAL, higher=False),
                 ]
             )
+    for r in sections["train"].data["rows"] if "train" in sections else []:
+        rows.append(
+            [
+                "training step bf16 autocast (ours sparse vs built-in)",
+                shape_name(r["batch"], r["length"]),
+                f"{fmt_ms(r['builtin_bf16_s'])} ms",
+                f"{fmt_ms(r['bf16_s'])} ms",
+                f"{r['bf16_speedup']:.2f}×",
+                "",
+            ]
+        )
     for r in sections["bf16"].data["rows"] if "bf16" in sections else []:
         rows.append(
             [
-                "bf16 forward (ours bf16 vs built-in fp32)",
+                "bf16 forward (ours bf16 vs built-in bf16)",
                 shape_name(r["batch"], r["length"]),
-                f"{fmt_ms(r['builtin_s'])} ms",
+                f"{fmt_ms(r['builtin_bf16_s'])} ms",
                 f"{fmt_ms(r['bf16_s'])} ms",
-                f"{r['bf16_vs_builtin']:.2f}× ({r['bf16_vs_fp32']:.2f}× vs ours fp32)",
+                f"{r['bf16_vs_builtin_bf16']:.2f}× ({r['bf16_vs_fp32']:.2f}× vs ours fp32)",
                 "",
             ]
         )
@@ -142,6 +156,24 @@ def summary(sections: dict[str, Section]) -> str:
         return ""
     headers = ["benchmark", "B×T", "built-in", "ours", "built-in / ours", "goal"]
     return "## Summary\n\n" + markdown_table(headers, rows) + "\n"
+
+
+def dispatch_section() -> str:
+    """The fast-path choices measured on this CPU during the run (modeling_roformer_rope.calibration)."""
+    from modeling_roformer_rope import calibration_roformer_rope as calibration
+
+    rows = []
+    for d in calibration.decisions():
+        kind, dtype, *sizes = d["class"]
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in d["ms"].items())
+        rows.append([kind, dtype.removeprefix("torch."), " × ".join(map(str, sizes)), d["choice"], times])
+    method = (
+        "Each shape class is timed once per process on a slice of the real problem and the faster path kept "
+        "(`modeling_roformer_rope/calibration_roformer_rope.py`). linear: (input size, output size, row bucket); "
+        "attention: (key-length bucket)."
+    )
+    headers = ["decision", "dtype", "class", "choice", "measured"]
+    return "## Dispatch on this CPU\n\n" + method + "\n\n" + markdown_table(headers, rows) + "\n"
 
 
 def main() -> int:
@@ -163,7 +195,7 @@ def main() -> int:
         parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {','.join(BENCHMARKS)}")
     here = os.path.dirname(os.path.abspath(__file__))
     default_out = "quick" if args.quick else ("" if layers == 12 else f"layers{layers}")
-    out = args.out or os.path.join(here, "results", default_out)
+    out = args.out or os.path.join(here, "results", cpu_tag(), default_out)
     os.makedirs(out, exist_ok=True)
     p = plan(args.quick, args.reps)
     info = machine()
@@ -220,6 +252,7 @@ def main() -> int:
             image = f"{section.key}.png"
             section.plot(os.path.join(out, image))
         parts.append(section.markdown(image))
+    parts.append(dispatch_section())
     with open(os.path.join(out, "summary.md"), "w") as f:  # the headline table alone, for the top-level README
         f.write(summary(sections))
     with open(os.path.join(out, "README.md"), "w") as f:
