@@ -30,7 +30,8 @@ Shapes: B batch, H heads, T queries, S keys, D head size, Q a block of queries.
 import torch
 from torch import nn
 
-from .onednn_roformer_rope import _LINEAR_POINTWISE, calibration, read_settings, settings, tracing
+from .calibration_roformer_rope import choose, length_bucket
+from .onednn_roformer_rope import _LINEAR_POINTWISE, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
 MIN_KEYS = settings.onednn_attention_min_keys
@@ -72,10 +73,10 @@ def onednn_attention_applies(
 def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> str:
     """Ours or SDPA for this (dtype, key-length bucket), timed once on one head and ≤ 256 queries."""
     value = key if value is None else value
-    shape_class = ("attention", str(query.dtype), calibration.length_bucket(key.shape[2]))
+    shape_class = ("attention", str(query.dtype), length_bucket(key.shape[2]))
     q, k, v = (t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return calibration.choose(shape_class, {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)})
+    return choose(shape_class, {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)})
 
 
 def _masked_scores(

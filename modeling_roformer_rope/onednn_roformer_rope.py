@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUActivation
 
-from . import calibration_roformer_rope as calibration
+from .calibration_roformer_rope import choose, force, row_bucket
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ def _onednn_op():
 
 _LINEAR_POINTWISE = _onednn_op()
 if settings.onednn == "on":
-    calibration.force("linear", "onednn")
-    calibration.force("linear_backward", "onednn")
+    force("linear", "onednn")
+    force("linear_backward", "onednn")
 
 # Dtypes the CPU computes natively (else emulated: bf16 runs ~7× slower than float32 on an AVX2-only EPYC).
 _NATIVE = {
@@ -185,7 +185,7 @@ _PROXY_ROWS = 256  # rows of the slice a shape class is timed on
 
 def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> str:
     """oneDNN (with its operand transposes) or BLAS `mm` (reads transposes in place) for the backward GEMMs."""
-    key = ("linear_backward", str(go.dtype), weight.shape[1], weight.shape[0], calibration.row_bucket(go.shape[0]))
+    key = ("linear_backward", str(go.dtype), weight.shape[1], weight.shape[0], row_bucket(go.shape[0]))
     g, x = go[:_PROXY_ROWS], x2d[:_PROXY_ROWS]
 
     def onednn():
@@ -196,7 +196,7 @@ def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) 
         g.mm(weight)
         g.t().mm(x)
 
-    return calibration.choose(key, {"onednn": onednn, "torch": blas})
+    return choose(key, {"onednn": onednn, "torch": blas})
 
 
 def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -214,10 +214,10 @@ def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """oneDNN or `F.linear` for this GEMM's shape class, measured once (see `calibration_roformer_rope.py`)."""
     rows = x.numel() // x.shape[-1]
-    key = ("linear", str(x.dtype), weight.shape[1], weight.shape[0], calibration.row_bucket(rows))
+    key = ("linear", str(x.dtype), weight.shape[1], weight.shape[0], row_bucket(rows))
     proxy = x.detach().reshape(-1, x.shape[-1])[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
     w, b = weight.detach(), None if bias is None else bias.detach()
-    return calibration.choose(key, {"onednn": lambda: _mm(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)})
+    return choose(key, {"onednn": lambda: _mm(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)})
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,7 +292,6 @@ def activation(act_fn: nn.Module, x: torch.Tensor, *producers: nn.Module) -> tor
 __all__ = [
     "RoFormerRopeLinear",
     "activation",
-    "calibration",
     "hooked",
     "linear",
     "may_modify_in_place",

@@ -72,8 +72,9 @@ def test_choices_are_measured_once_and_logged(caplog):
 def test_environment_forces_or_measures(value, expected):
     probe = (
         "import json, torch; from modeling_roformer_rope import onednn_roformer_rope as f\n"
+        "from modeling_roformer_rope import calibration_roformer_rope as c\n"
         "l = f.RoFormerRopeLinear(16, 8); x = torch.randn(4, 16, requires_grad=True); y = l(x)\n"
-        "print(json.dumps({'fn': type(y.grad_fn).__name__, 'n': len(f.calibration.decisions())}))"
+        "print(json.dumps({'fn': type(y.grad_fn).__name__, 'n': len(c.decisions())}))"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             env={"ROFORMER_ROPE_ONEDNN": value, "PATH": ""})  # fmt: skip

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import onednn_roformer_rope as lin
 
 needs_onednn = pytest.mark.skipif(lin._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
@@ -15,11 +16,11 @@ needs_onednn = pytest.mark.skipif(lin._LINEAR_POINTWISE is None, reason="this to
 @pytest.fixture(autouse=True, params=["onednn", "torch"])
 def backward_path(request):
     """These tests are about the oneDNN forward; its backward runs either way the dispatcher may pick."""
-    lin.calibration.force("linear", "onednn")
-    lin.calibration.force("linear_backward", request.param)
+    calibration.force("linear", "onednn")
+    calibration.force("linear_backward", request.param)
     yield request.param
-    lin.calibration.force("linear", None)
-    lin.calibration.force("linear_backward", None)
+    calibration.force("linear", None)
+    calibration.force("linear_backward", None)
 
 
 @needs_onednn

@@ -8,6 +8,7 @@ import transformers
 import modeling_roformer_rope as rr
 from conftest import builtin_model, padded_batch, tiny_config
 from modeling_roformer_rope import attention_roformer_rope as attention
+from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import onednn_attention_roformer_rope as oa
 from roformer_rope.conversion.from_transformers import convert_model
 
@@ -18,9 +19,9 @@ pytestmark = pytest.mark.skipif(oa._LINEAR_POINTWISE is None, reason="this torch
 def kernel_chosen():
     """These tests are about our kernel: where it applies, the dispatcher is told to pick it (on a CPU where
     SDPA measures faster it would pick SDPA; test_dispatch.py covers that choice)."""
-    oa.calibration.force("attention", "onednn")
+    calibration.force("attention", "onednn")
     yield
-    oa.calibration.force("attention", None)
+    calibration.force("attention", None)
 
 
 def oracle(q, k, v, mask=None, scaling=None, is_causal=False) -> torch.Tensor:
