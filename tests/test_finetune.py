@@ -331,7 +331,8 @@ FRESH_CHECK = textwrap.dedent(
         model = auto.from_pretrained(folder, trust_remote_code=True)
         kwargs = {"aggregation_strategy": "simple"} if task == "token-classification" else {}
         pipe = transformers.pipeline(task, model=model, tokenizer=tok, **kwargs)
-        out[task] = {"module": type(model).__module__, "labels": model.config.id2label, "output": pipe(text)}
+        logits = model(**tok(text, return_tensors="pt")).logits.tolist()
+        out[task] = {"module": type(model).__module__, "labels": model.config.id2label, "output": pipe(text), "logits": logits}
     print(json.dumps(out, ensure_ascii=False, default=float))
     """
 )
@@ -361,11 +362,20 @@ def test_end_to_end_saved_folders_reload_in_a_fresh_process(trained, tmp_path):
     assert tokens["labels"] == dict(zip(map(str, range(7)), task_ner.LABELS))
     for entity in tokens["output"]:
         assert entity["entity_group"] in ("PER", "LOC", "ORG") and 0 <= entity["start"] < entity["end"] <= 11
-    # the fresh process predicts what the same folder predicts here
+    # the fresh process computes what the same folder computes here (weights, code and tokenizer round trip)
+    import torch
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "ner", trust_remote_code=True)
-    model = transformers.AutoModelForTokenClassification.from_pretrained(out / "ner", trust_remote_code=True)
+    for task, auto, text in [
+        ("text-classification", transformers.AutoModelForSequenceClassification, "这本书很好看"),
+        ("token-classification", transformers.AutoModelForTokenClassification, "江泽民在北京会见克林顿"),
+    ]:
+        folder = out / ("sentiment" if task == "text-classification" else "ner")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        model = auto.from_pretrained(folder, trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits = model(**tokenizer(text, return_tensors="pt")).logits
+        torch.testing.assert_close(torch.tensor(got[task]["logits"]), logits, atol=1e-5, rtol=1e-5)
     here = finetune.run_pipeline(model, tokenizer, "token", ["江泽民在北京会见克林顿"])
     assert finetune.same_predictions("token", here, [tokens["output"]])
 
