@@ -234,9 +234,14 @@ def fill_deepspeed_config(
         raise ValueError("fp16 needs a GPU (loss scaling on CPU is not supported): use --precision bf16 or fp32")
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = optimizer.setdefault("params", {})
-    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("torch_adam", on_cpu)):
+    for key, value in (("lr", lr), ("weight_decay", weight_decay)):
         if params.get(key, "auto") == "auto":
             params[key] = value
+    if str(optimizer.get("type", "")).lower() in ("adam", "adamw"):  # only DeepSpeed's Adam variants know torch_adam
+        if params.get("torch_adam", "auto") == "auto":
+            params["torch_adam"] = on_cpu
+    elif params.get("torch_adam") == "auto":
+        del params["torch_adam"]
     for key, value in list(config.items()):
         if value == "auto":
             raise ValueError(f"DeepSpeed config: cannot resolve \"auto\" for {key}")
