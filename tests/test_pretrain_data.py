@@ -148,3 +148,29 @@ def test_stage_schedule_rewarms_and_decays():
 def test_bad_stage_configs_name_the_problem(data, message):
     with pytest.raises(ValueError, match=message):
         parse_run_config(data, "stages.yaml")
+
+
+def test_deepspeed_auto_values_come_from_the_run():
+    import json
+
+    from roformer_rope.scripts.pretrain import read_deepspeed_config
+    from roformer_rope.scripts.pretrain_config import fill_deepspeed_config
+
+    _, template = read_deepspeed_config("zero3")
+    filled = fill_deepspeed_config(template, micro_batch=4, global_batch=32, world_size=2, precision="bf16",
+                                   lr=3e-4, weight_decay=0.01, on_cpu=True)  # fmt: skip
+    assert (filled["train_batch_size"], filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert filled["bf16"]["enabled"] is True and filled["fp16"]["enabled"] is False
+    assert filled["optimizer"]["params"] == {**template["optimizer"]["params"], "lr": 3e-4, "weight_decay": 0.01, "torch_adam": True}
+    assert "auto" not in json.dumps(filled) and filled["zero_optimization"]["stage"] == 3
+    assert template["train_batch_size"] == "auto"  # the shipped template is not modified
+    with pytest.raises(ValueError, match="not divisible by micro batch 3"):
+        fill_deepspeed_config(template, micro_batch=3, global_batch=32, world_size=2, precision="fp32",
+                              lr=1e-3, weight_decay=0.0, on_cpu=True)  # fmt: skip
+    with pytest.raises(ValueError, match="fp16 needs a GPU"):
+        fill_deepspeed_config(template, micro_batch=4, global_batch=32, world_size=2, precision="fp16",
+                              lr=1e-3, weight_decay=0.0, on_cpu=True)  # fmt: skip
+    fixed = {**template, "train_batch_size": 64}
+    with pytest.raises(ValueError, match='sets train_batch_size=64, but the stages need 32: use "auto"'):
+        fill_deepspeed_config(fixed, micro_batch=4, global_batch=32, world_size=2, precision="fp32",
+                              lr=1e-3, weight_decay=0.0, on_cpu=True)  # fmt: skip
