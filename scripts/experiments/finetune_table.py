@@ -145,7 +145,7 @@ def markdown(table: dict, args: argparse.Namespace) -> str:
         "",
         f"Test-set scores in %, mean ± sample standard deviation over seeds {info['seeds']} "
         f"(budget `{info['budget']}`, learning rate {info['lr_note']}; {info['cpu']}, {info['threads']} thread(s), "
-        f"{info['wall_minutes']:.0f} min wall).",
+        f"runs {info['run_minutes']:.0f} min in total).",
         "Command: `" + info["command"] + "`",
     ]
     n_long = table.get("n_long")
@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_model(),
         "threads": args.threads or os.cpu_count(),
         "wall_minutes": (time.monotonic() - started) / 60,
+        "run_minutes": sum(r.get("total_runtime_s") or 0 for r in results.values()) / 60,
         "command": shlex.join(["python", "scripts/experiments/finetune_table.py", *argv_shown]),
         "rows": {row: ROW_NAMES[row] for row in rows},
     }
