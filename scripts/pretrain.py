@@ -544,6 +544,9 @@ def run(args: argparse.Namespace) -> int:
             export_checkpoint(out / "checkpoints", out / "model", overwrite=True)
             print(f"model folder: {out / 'model'}")
         barrier()
+    from .pretrain_engine import teardown_distributed
+
+    teardown_distributed(run_.dist)
     return 0
 
 

@@ -37,6 +37,8 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    own_group: bool = False  # made here for a launcher-less process: `teardown_distributed` undoes it
+    own_env: tuple[str, ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -60,17 +62,32 @@ def setup_distributed() -> Dist:
     if not on_gpu and os.environ.get("ROFORMER_ROPE_DS_SHM", "0") != "1":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "nccl" if on_gpu else "gloo"
+    own_env: tuple[str, ...] = ()
     if "WORLD_SIZE" not in os.environ:  # no launcher: a single process group of one
         port = os.environ.get("MASTER_PORT") or str(_free_port())
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    if not torch.distributed.is_initialized():
+        own = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        own_env = tuple(k for k in own if k not in os.environ)
+        os.environ.update(own)
+    own_group = not torch.distributed.is_initialized()
+    if own_group:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    return Dist(rank, world, local_rank, device)
+    return Dist(rank, world, local_rank, device, own_group and bool(own_env), own_env)
+
+
+def teardown_distributed(dist: Dist) -> None:
+    """Undo what `setup_distributed` made for a launcher-less process (its group of one and the env variables
+    it set), so later work in the same process (the quickstart's fine-tune) does not see a distributed run."""
+    if not dist.own_group:
+        return
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key in dist.own_env:
+        os.environ.pop(key, None)
 
 
 def barrier() -> None:
