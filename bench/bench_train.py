@@ -57,7 +57,11 @@ def check_train_parity(builtin, ours, inputs: dict) -> float:
     return worst
 
 
-def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
+def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list[Section]:
+    """`bf16`: also time bf16 autocast steps (default: only where the CPU has native bf16, see common.native_bf16)."""
+    from common import native_bf16
+
+    bf16 = native_bf16() if bf16 is None else bf16
     results = []
     for batch, length in shapes:
         builtin, ours = make_pair(layers, 8192, head="mlm")
@@ -71,8 +75,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
         optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, weight_decay=0.01) for k, m in models.items()}
         steps = {k: partial(train_step, m, optimizers[k], inputs) for k, m in models.items()}
         # bf16 autocast training, both models alike (the built-in in the same dtype as ours)
-        steps["builtin_bf16"] = partial(train_step, builtin, optimizers["builtin"], inputs, True)
-        steps["ours_bf16"] = partial(train_step, sparse, optimizers["ours_sparse"], inputs, True)
+        if bf16:
+            steps["builtin_bf16"] = partial(train_step, builtin, optimizers["builtin"], inputs, True)
+            steps["ours_bf16"] = partial(train_step, sparse, optimizers["ours_sparse"], inputs, True)
         timing = interleaved(steps, reps=reps, warmup=1)  # first AdamW step allocates its state
         r = dict(
             batch=batch,
@@ -83,9 +88,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
             sparse_s=timing.median("ours_sparse"),
             speedup=timing.ratio("builtin", "ours"),
             sparse_speedup=timing.ratio("builtin", "ours_sparse"),
-            builtin_bf16_s=timing.median("builtin_bf16"),
-            bf16_s=timing.median("ours_bf16"),
-            bf16_speedup=timing.ratio("builtin_bf16", "ours_bf16"),
+            builtin_bf16_s=timing.median("builtin_bf16") if bf16 else None,
+            bf16_s=timing.median("ours_bf16") if bf16 else None,
+            bf16_speedup=timing.ratio("builtin_bf16", "ours_bf16") if bf16 else None,
             times=timing.times,
         )
         results.append(r)
@@ -106,9 +111,9 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
                 f"{r['speedup']:.2f}× {goal_cell(r['speedup'], goal)}",
                 fmt_ms(r["sparse_s"]),
                 f"{r['sparse_speedup']:.2f}× {goal_cell(r['sparse_speedup'], goal)}",
-                fmt_ms(r["builtin_bf16_s"]),
-                fmt_ms(r["bf16_s"]),
-                f"{r['bf16_speedup']:.2f}×",
+                fmt_ms(r["builtin_bf16_s"]) if bf16 else "skipped: bf16 emulated on this CPU",
+                fmt_ms(r["bf16_s"]) if bf16 else "–",
+                f"{r['bf16_speedup']:.2f}×" if bf16 else "–",
                 f"{r['max_abs_diff']:.1e}",
             ]
         )

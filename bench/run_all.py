@@ -35,7 +35,7 @@ import bench_forward  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_train  # noqa: E402
 import export_onnx  # noqa: E402
-from common import Section, cpu_tag, fmt_ms, goal_cell, machine, markdown_table, shape_name  # noqa: E402
+from common import Section, cpu_tag, fmt_ms, goal_cell, machine, markdown_table, native_bf16, shape_name  # noqa: E402
 
 BENCHMARKS = ("forward", "train", "memory", "bf16", "compile", "export")
 
@@ -120,6 +120,8 @@ def summary(sections: dict[str, Section]) -> str:
                 ]
             )
     for r in sections["train"].data["rows"] if "train" in sections else []:
+        if r["bf16_s"] is None:
+            continue
         rows.append(
             [
                 "training step bf16 autocast (ours sparse vs built-in)",
@@ -184,6 +186,10 @@ def main() -> int:
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--out", help="output folder (default: see module docstring)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
+    parser.add_argument(
+        "--bf16-emulated", action="store_true",
+        help="time the bf16 forward and bf16 training steps even where bf16 is emulated (no AVX512-BF16/AMX: slow)",
+    )
     args = parser.parse_args()
 
     layers = args.layers or (2 if args.quick else 12)
@@ -203,15 +209,21 @@ def main() -> int:
 
     started = time.time()
     sections: dict[str, Section] = {}
+    skipped: list[str] = []
     for name in only:
         t0 = time.time()
         if name == "forward":
             found = bench_forward.run(layers, p["reps"], p["forward"])
         elif name == "train":
-            found = bench_train.run(layers, p["reps"], p["train"])
+            found = bench_train.run(layers, p["reps"], p["train"], bf16=native_bf16() or args.bf16_emulated)
         elif name == "memory":
             found = bench_memory.run(layers, p["memory"])
         elif name == "bf16":
+            if not (native_bf16() or args.bf16_emulated):
+                print("bf16 skipped: this CPU has neither AVX512-BF16 nor AMX, torch emulates bf16 (--bf16-emulated to time it)")
+                skipped.append("bf16 forward and bf16 autocast training: this CPU has neither AVX512-BF16 nor AMX, so torch "
+                               "emulates bf16 several times slower than fp32 (use fp32 here; `--bf16-emulated` times it anyway)")
+                continue
             found = bench_bf16.run(layers, p["reps"], p["bf16"])
         elif name == "compile":
             found = bench_compile.run(layers, p["reps"], p["compile"])
@@ -221,6 +233,8 @@ def main() -> int:
             sections[section.key] = section
         print(f"[{name} done in {time.time() - started:.0f} s total, {time.time() - t0:.0f} s this one]", flush=True)
     info["run time"] = f"{(time.time() - started) / 60:.1f} min"
+    if skipped:
+        info["skipped"] = "; ".join(skipped)
     info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     busy = float(info["load average at start"].split()[0])  # before our own threads started
     if busy > 0.5 * (os.cpu_count() or 1):
@@ -235,6 +249,7 @@ def main() -> int:
         + (f" --layers {layers}" if args.layers else "")
         + (f" --reps {args.reps}" if args.reps else "")
         + (f" --threads {args.threads}" if args.threads else "")
+        + (" --bf16-emulated" if args.bf16_emulated else "")
     )
     parts = [
         f"# Benchmarks: roformer-rope vs the built-in transformers RoFormer ({layers} layers × 768, vocab 50000)",
