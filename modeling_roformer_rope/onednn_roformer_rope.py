@@ -153,7 +153,8 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x Wᵀ + b with forward and backward GEMMs on oneDNN (x flattened to (N, I))."""
+    """y = x Wᵀ + b (x flattened to (N, I)); each GEMM, forward and backward, on oneDNN or BLAS, whichever is
+    faster for its shape class on this CPU. One autograd node whatever the choice: see `linear`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -161,7 +162,11 @@ class _OneDNNLinear(torch.autograd.Function):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
         ctx.input_shape = x.shape
-        return _mm(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])  # (..., O)
+        if _forward_choice(x2d, weight, bias) == "onednn":
+            y = _mm(x2d, weight, bias)  # (N, O)
+        else:
+            y = x2d.mm(weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())  # (N, O), = F.linear
+        return y.view(*x.shape[:-1], weight.shape[0])  # (..., O)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -224,10 +229,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear` semantics; the GEMMs of CPU float32/bf16 run on oneDNN where that is faster on this CPU."""
     if x.dtype != torch.float32:
         warn_if_emulated(x)
-    if not _onednn_applies(x, weight) or _forward_choice(x, weight, bias) != "onednn":
+    if not _onednn_applies(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        # Training: always this one autograd node, the kernels chosen inside. The autograd graph must not depend
+        # on a per-process timing: it fixes the order in which gradients become ready, which DeepSpeed ZeRO and
+        # DDP bucket their reductions by, and two ranks that measured differently would exchange buckets of
+        # different sizes (gloo aborts: "Received data size doesn't match expected size").
         return _OneDNNLinear.apply(x, weight, bias)
+    if _forward_choice(x, weight, bias) != "onednn":
+        return F.linear(x, weight, bias)
     return _mm(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 

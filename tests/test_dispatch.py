@@ -97,3 +97,34 @@ def test_emulated_bf16_warns_once(monkeypatch, caplog):
         layer(torch.randn(3, 16, dtype=torch.bfloat16))
     warnings = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
     assert len(warnings) == 1 and "use float32 here" in warnings[0]
+
+
+def _gradient_ready_order(model: torch.nn.Module, batch: dict) -> list[str]:
+    order: list[str] = []
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: order.append(name))
+        for name, p in model.named_parameters()
+    ]
+    model(**batch).loss.backward()
+    for handle in handles:
+        handle.remove()
+    return order
+
+
+@needs_onednn
+def test_training_graph_does_not_depend_on_the_measured_choice(forced):
+    """Two data-parallel ranks may measure different winners; DeepSpeed ZeRO and DDP bucket gradients in the order
+    they become ready, so that order (the autograd graph) must be the same whichever GEMM path a rank picked."""
+    builtin = builtin_model("RoFormerForMaskedLM", max_position_embeddings=512)
+    batch = padded_batch(seq_len=24)
+    batch["labels"] = batch["input_ids"].masked_fill(~batch["attention_mask"].bool(), -100)
+    orders, grads = {}, {}
+    for linear in ("onednn", "torch"):
+        forced(linear=linear, linear_backward="torch")
+        model = convert_model(builtin).train()
+        orders[linear] = _gradient_ready_order(model, batch)
+        grads[linear] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert len(orders["onednn"]) == len(list(model.parameters())) > 0
+    assert orders["onednn"] == orders["torch"]
+    for name, grad in grads["onednn"].items():
+        torch.testing.assert_close(grad, grads["torch"][name], atol=1e-5, rtol=1e-4)
