@@ -159,7 +159,11 @@ def onednn_attention(
                 stop = min(start + block, T)
                 keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
                 q_blk = query[b, h, start:stop].float() * q_scale  # (Q, D) contiguous float32
-                k_h, v_t = k_all[:keys], v_t_all[:, :keys]
+                # Row slice of k: contiguous. Column slice of vᵀ: strided, and oneDNN's GEMM on a strided
+                # "weight" falls to a kernel ~1000× slower (measured: 1 s vs 1 ms at 256 × 1024 × 64), so a
+                # causal block's (Dv, keys) values are copied (keys < S only happens with is_causal).
+                k_h = k_all[:keys]  # (keys, D)
+                v_t = v_t_all if keys == S else v_t_all[:, :keys].contiguous()  # (Dv, keys)
                 mask = None if attention_mask is None else attention_mask[b, h, start:stop]  # (Q, S)
                 causal_start = start if is_causal else None
                 # First try without subtracting the row maxima (two passes fewer over the scores): the
