@@ -239,13 +239,14 @@ def check_parity(builtin: torch.nn.Module, ours: torch.nn.Module, batch: dict, a
     return diff
 
 
-def zero_config(stage: int, micro: int, world: int, precision: str) -> dict:
+def zero_config(stage: int, micro: int, world: int, precision: str, hidden: int = 768) -> dict:
     from roformer_rope.scripts.pretrain import read_deepspeed_config
     from roformer_rope.scripts.pretrain_config import fill_deepspeed_config
 
     path, template = read_deepspeed_config(f"zero{stage}")
     return fill_deepspeed_config(template, micro_batch=micro, global_batch=micro * world, world_size=world,
-                                 precision=precision, lr=LR, weight_decay=WEIGHT_DECAY, on_cpu=True)
+                                 precision=precision, lr=LR, weight_decay=WEIGHT_DECAY, on_cpu=True,
+                                 hidden_size=hidden)
 
 
 def engine_for(model: torch.nn.Module, ds_config: dict):
@@ -522,14 +523,15 @@ def reset_peak() -> bool:
         return False
 
 
-def ours_model(size: ModelSize, vocab: int, max_length: int) -> torch.nn.Module:
-    """Our MLM model from a fresh config, as `roformer-rope pretrain` builds it (`sparse_prediction=True`)."""
-    from modeling_roformer_rope import RoFormerRopeForMaskedLM
+def ours_model(size: ModelSize, vocab: int, max_length: int, zero3: dict | None = None) -> torch.nn.Module:
+    """Our MLM model from a fresh config, as `roformer-rope pretrain` builds it (`sparse_prediction=True`;
+    under ZeRO-3 inside `deepspeed.zero.Init`, given the resolved config `zero3`)."""
     from roformer_rope.conversion.from_transformers import convert_config
+    from roformer_rope.scripts.pretrain_export import build_model
 
     config = convert_config(builtin_config(size, vocab, max_length))
     config.sparse_prediction = True
-    return RoFormerRopeForMaskedLM(config)
+    return build_model(config.to_dict(), "roformer", zero3)
 
 
 def measure_stage(stage: int, spec: dict, rank: int, world: int) -> dict:
@@ -538,10 +540,11 @@ def measure_stage(stage: int, spec: dict, rank: int, world: int) -> dict:
     rss0 = proc_status("VmRSS")
     can_reset = reset_peak()
     torch.manual_seed(0)
-    model = ours_model(ModelSize(**spec["model"]), spec["vocab"], spec["length"])
-    marks = {"params": sum(p.numel() for p in model.parameters()), "model_rss": proc_status("VmRSS")}
-    ds_config = zero_config(stage, spec["micro"], world, "fp32")
+    ds_config = zero_config(stage, spec["micro"], world, "fp32", spec["model"]["hidden"])
     ds_config["zero_optimization"].update(spec.get("zero_overrides", {}).get(str(stage), {}))
+    model = ours_model(ModelSize(**spec["model"]), spec["vocab"], spec["length"], ds_config if stage == 3 else None)
+    marks = {"params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+             "model_rss": proc_status("VmRSS")}
     engine = engine_for(model, ds_config)
     del model
     gc.collect()

@@ -230,7 +230,13 @@ class Run:
         if init_from:
             from transformers import AutoModelForMaskedLM
 
+            zero3 = None
+            if self.ds_config["zero_optimization"].get("stage") == 3:
+                from transformers.integrations import HfDeepSpeedConfig
+
+                zero3 = HfDeepSpeedConfig(self.ds_config)  # from_pretrained loads into zero.Init partitions
             model = AutoModelForMaskedLM.from_pretrained(init_from, trust_remote_code=True)
+            del zero3
             model.config.sparse_prediction = True
             spec = {"architecture": "roformer", "config": model.config.to_diff_dict()}
             spec["config"].pop("auto_map", None)
@@ -238,7 +244,8 @@ class Run:
         else:
             self.spec = self.model_spec()
             torch.manual_seed(self.config.train.seed)
-            model = build_model(self.spec["config"], self.spec["architecture"])
+            zero3 = self.ds_config if self.ds_config["zero_optimization"].get("stage") == 3 else None
+            model = build_model(self.spec["config"], self.spec["architecture"], zero3)
         limit = model.config.max_position_embeddings
         for stage in self.config.stages:
             if stage.max_length > limit:
@@ -252,9 +259,8 @@ class Run:
 
     # -- the engine --
 
-    def start_engine(self, model: torch.nn.Module) -> None:
-        from .pretrain_engine import build_engine
-
+    def resolve_deepspeed(self) -> None:
+        """Fill the DeepSpeed file's "auto" values from the first stage, the precision and the model width."""
         first = self.config.stages[0]
         self.ds_config = fill_deepspeed_config(
             self.ds_template,
@@ -265,7 +271,21 @@ class Run:
             lr=first.lr,
             weight_decay=self.config.train.weight_decay,
             on_cpu=self.dist.device.type == "cpu",
+            hidden_size=self.hidden_size(),
         )
+        self.ds_config.setdefault("zero_optimization", {"stage": 0})
+
+    def hidden_size(self) -> int:
+        init_from = self.config.model.get("init_from")
+        if init_from:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(init_from, trust_remote_code=True).hidden_size
+        return int(self.config.model.get("hidden_size", 768))  # the config class's default width
+
+    def start_engine(self, model: torch.nn.Module) -> None:
+        from .pretrain_engine import build_engine
+
         self.engine = build_engine(model, self.ds_config, self.config.train.weight_decay)
         self.zero_stage = self.engine.zero_optimization_stage()
         self.dtype = next(self.engine.module.parameters()).dtype
@@ -525,12 +545,14 @@ def run(args: argparse.Namespace) -> int:
                 run_.writer = SummaryWriter(str(out / "tensorboard"))
     run_.check_stages()
     run_.prepare_data()
+    run_.resolve_deepspeed()
     model = run_.build_model()
     run_.start_engine(model)
     if run_.main:
         logger.info(
             "model: %s, %.1fM parameters; DeepSpeed ZeRO-%d (%s), %s, %d process(es) on %s",
-            run_.spec["architecture"], sum(p.numel() for p in model.parameters()) / 1e6, run_.zero_stage,
+            run_.spec["architecture"], sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6,
+            run_.zero_stage,
             ds_path.name, args.precision, run_.dist.world_size, run_.dist.device.type,
         )
     run_.train()

@@ -203,12 +203,14 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 def fill_deepspeed_config(
     ds_config: dict, *, micro_batch: int, global_batch: int, world_size: int, precision: str, lr: float,
-    weight_decay: float, on_cpu: bool,
+    weight_decay: float, on_cpu: bool, hidden_size: int,
 ) -> dict:
     """Resolve the "auto" values of a shipped DeepSpeed config from the run (as the Trainer integration does).
 
     Batch sizes come from the first stage (later stages change them on the live engine); `precision` fills
     `bf16.enabled` / `fp16.enabled`; on CPU the optimizer is torch's AdamW (`torch_adam`, no C++ build).
+    ZeRO bucket sizes scale with the model width, with the Trainer integration's rules: reduce/allgather
+    buckets hidden², ZeRO-3 prefetch 0.9·hidden², ZeRO-3 persistence threshold 10·hidden (`hidden_size`).
     """
     config = json.loads(json.dumps(ds_config))  # deep copy
     gas, rest = divmod(global_batch, micro_batch * world_size)
@@ -242,7 +244,17 @@ def fill_deepspeed_config(
             params["torch_adam"] = on_cpu
     elif params.get("torch_adam") == "auto":
         del params["torch_adam"]
-    for key, value in list(config.items()):
+    zero = config.get("zero_optimization", {})
+    sizes = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "allgather_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    for key, value in [*config.items(), *(("zero_optimization." + k, v) for k, v in zero.items())]:
         if value == "auto":
             raise ValueError(f"DeepSpeed config: cannot resolve \"auto\" for {key}")
     return config

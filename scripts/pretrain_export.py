@@ -40,15 +40,30 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def build_model(model_config: dict, architecture: str) -> torch.nn.Module:
-    """A fresh MLM model of the run's architecture ("roformer" or "bert")."""
+def build_model(model_config: dict, architecture: str, zero3_config: dict | None = None) -> torch.nn.Module:
+    """A fresh MLM model of the run's architecture ("roformer" or "bert").
+
+    With `zero3_config` (a resolved ZeRO-3 DeepSpeed config) the model is built the way transformers builds
+    one under DeepSpeed: inside `deepspeed.zero.Init`, so every parameter is partitioned as soon as its module
+    exists and no rank ever holds the full model (then initialised layer by layer, gathered).
+    """
     if architecture == "bert":
         from transformers import BertConfig, BertForMaskedLM
 
-        return BertForMaskedLM(BertConfig(**model_config))
-    from modeling_roformer_rope import RoFormerRopeConfig, RoFormerRopeForMaskedLM
+        cls, config = BertForMaskedLM, BertConfig(**model_config)
+    else:
+        from modeling_roformer_rope import RoFormerRopeConfig, RoFormerRopeForMaskedLM
 
-    return RoFormerRopeForMaskedLM(RoFormerRopeConfig(**model_config))
+        cls, config = RoFormerRopeForMaskedLM, RoFormerRopeConfig(**model_config)
+    if zero3_config is None:
+        return cls(config)
+    from transformers.integrations import HfDeepSpeedConfig
+
+    zero3 = HfDeepSpeedConfig(zero3_config)  # transformers uses zero.Init while this object is alive
+    try:
+        return cls._from_config(config)
+    finally:
+        del zero3  # later models (the export, a reload) are built normally
 
 
 def consolidated_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:

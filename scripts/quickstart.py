@@ -84,7 +84,7 @@ def masked_sentences(lines: list[str], vocab: set[str], count: int, seed: int = 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="quickstart-out", help="output folder, replaced at the end (default: %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="2 steps per stage on 3,000 lines, 20 s of fine-tuning: checks the installation")
-    parser.add_argument("--finetune-seconds", type=float, default=90.0, help="sentiment fine-tuning budget (default: %(default)s)")
+    parser.add_argument("--finetune-seconds", type=float, default=75.0, help="sentiment fine-tuning budget (default: %(default)s)")
 
 
 def pretrain_arguments(out: Path, smoke: bool) -> argparse.Namespace:

@@ -203,3 +203,44 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
         save_checkpoint(_FailingEngine(), root, "stage1-step8", {}, {}, dist)
     assert latest_tag(root) == "stage1-step4" and (previous / "run_state.json").is_file()
     assert sorted(p.name for p in root.iterdir()) == ["latest", "stage1-step4"]  # no partial folder left
+
+
+ZERO3_BUILD = textwrap.dedent(
+    """
+    import json
+    import deepspeed, torch
+    from roformer_rope.scripts.pretrain import read_deepspeed_config
+    from roformer_rope.scripts.pretrain_config import fill_deepspeed_config
+    from roformer_rope.scripts.pretrain_engine import setup_distributed
+    from roformer_rope.scripts.pretrain_export import build_model
+
+    setup_distributed()
+    _, template = read_deepspeed_config("zero3")
+    ds = fill_deepspeed_config(template, micro_batch=1, global_batch=1, world_size=1, precision="fp32", lr=1e-3,
+                               weight_decay=0.0, on_cpu=True, hidden_size=32)
+    spec = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 64}
+    model = build_model(spec, "roformer", ds)
+    params = list(model.parameters())
+    plain = build_model(spec, "roformer")
+    local = sum(p.numel() for p in params)  # partitioned: nothing held outside a gather on 1 rank
+    with deepspeed.zero.GatheredParameters(params):
+        word = model.get_input_embeddings().weight
+        out = {"local": local, "total": sum(p.ds_numel for p in params),
+               "plain": sum(p.numel() for p in plain.parameters()), "std": word.std().item(),
+               "tied": model.get_output_embeddings().weight is word,
+               "plain_partitioned": any(hasattr(p, "ds_numel") for p in plain.parameters())}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_zero3_builds_the_model_partitioned_and_initialised():
+    """Under ZeRO-3 the model is built inside `deepspeed.zero.Init` (no rank holds the full model), with the
+    usual initialisation and the decoder still tied; models built afterwards (export, reload) are normal."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run([sys.executable, "-c", ZERO3_BUILD], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["local"] == 0 and out["total"] == out["plain"] > 20_000, out
+    assert 0.015 < out["std"] < 0.025 and out["tied"] and not out["plain_partitioned"], out

@@ -158,19 +158,22 @@ def test_deepspeed_auto_values_come_from_the_run():
 
     _, template = read_deepspeed_config("zero3")
     filled = fill_deepspeed_config(template, micro_batch=4, global_batch=32, world_size=2, precision="bf16",
-                                   lr=3e-4, weight_decay=0.01, on_cpu=True)  # fmt: skip
+                                   lr=3e-4, weight_decay=0.01, on_cpu=True, hidden_size=256)  # fmt: skip
     assert (filled["train_batch_size"], filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"]) == (32, 4, 4)
     assert filled["bf16"]["enabled"] is True and filled["fp16"]["enabled"] is False
     assert filled["optimizer"]["params"] == {**template["optimizer"]["params"], "lr": 3e-4, "weight_decay": 0.01, "torch_adam": True}
     assert "auto" not in json.dumps(filled) and filled["zero_optimization"]["stage"] == 3
+    zero = filled["zero_optimization"]  # bucket sizes follow the width, as in the Trainer integration
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (256 * 256, int(0.9 * 256 * 256))
+    assert zero["stage3_param_persistence_threshold"] == 0  # a number in the file is kept
     assert template["train_batch_size"] == "auto"  # the shipped template is not modified
     with pytest.raises(ValueError, match="not divisible by micro batch 3"):
         fill_deepspeed_config(template, micro_batch=3, global_batch=32, world_size=2, precision="fp32",
-                              lr=1e-3, weight_decay=0.0, on_cpu=True)  # fmt: skip
+                              lr=1e-3, weight_decay=0.0, on_cpu=True, hidden_size=256)  # fmt: skip
     with pytest.raises(ValueError, match="fp16 needs a GPU"):
         fill_deepspeed_config(template, micro_batch=4, global_batch=32, world_size=2, precision="fp16",
-                              lr=1e-3, weight_decay=0.0, on_cpu=True)  # fmt: skip
+                              lr=1e-3, weight_decay=0.0, on_cpu=True, hidden_size=256)  # fmt: skip
     fixed = {**template, "train_batch_size": 64}
     with pytest.raises(ValueError, match='sets train_batch_size=64, but the stages need 32: use "auto"'):
         fill_deepspeed_config(fixed, micro_batch=4, global_batch=32, world_size=2, precision="fp32",
-                              lr=1e-3, weight_decay=0.0, on_cpu=True)  # fmt: skip
+                              lr=1e-3, weight_decay=0.0, on_cpu=True, hidden_size=256)  # fmt: skip
