@@ -60,12 +60,7 @@ LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 HERE = Path(__file__).resolve().parent
 
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # a fixed threshold: freed large tensors go back to the OS
-SMALL_BUCKETS = {  # per ZeRO stage, replacing the shipped 5e7-element buckets (191 MiB each in fp32)
-    "2": {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
-    "3": {"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000,
-          "stage3_max_live_parameters": 10_000_000},
-}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # a memory-run "env": freed large tensors go back to the OS
 
 
 @dataclass
@@ -104,12 +99,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan = Plan(base, 19484, 20000, [(4, 512), (16, 128)], ["fp32", "bf16"], 5, 1, 40, [
             {"name": "default", "model": base, "micro": 4, "length": 512},
             {"name": "states dominate", "model": deep, "micro": 1, "length": 128},
-            # Why ZeRO-3 is not lower above: glibc keeps the freed full model (every rank builds it before
-            # ZeRO-3 partitions it), and the shipped buckets (5e7 elements) outweigh a 2-rank saving.
-            {"name": "states dominate, MALLOC_MMAP_THRESHOLD_", "model": deep, "micro": 1, "length": 128,
-             "stages": [2, 3], "env": MALLOC_ENV},
-            # Smaller buckets (SMALL_BUCKETS, 5e6) were tried: ZeRO-2 then aborts on gloo with "Received data size
-            # doesn't match expected size" (DeepSpeed 0.19.8, 2 CPU ranks), so they are not in the default plan.
+            # BERT-large size (~360M parameters): ZeRO-3's saving at 2 ranks (2 bytes per parameter) now
+            # outweighs its fixed working buffers. ~5 GiB per rank.
+            {"name": "large", "model": ModelSize(24, 1024, 16, 4096), "micro": 1, "length": 128, "stages": [2, 3]},
         ], 3)
     if args.reps:
         plan.reps = args.reps
@@ -119,6 +111,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan.precisions = ["fp32"]
     if args.memory_steps:
         plan.memory_steps = args.memory_steps
+    if args.memory_runs:
+        wanted = args.memory_runs.split(",")
+        plan.memory_runs = [run for run in plan.memory_runs if run["name"] in wanted]
     return plan
 
 
@@ -427,10 +422,12 @@ def overhead_section(rows: list[dict], plan: Plan) -> Section:
         if "overhead" not in r:
             continue
         c = r["candidates"]
-        for label, ds_name, plain_name, key in (("torch AdamW (shipped)", OURS, PLAIN, "overhead"),
-                                                ("torch AdamW `fused=True`", OURS_FUSED, PLAIN_FUSED, "overhead_fused")):
+        for label, ds_name, plain_name, key in (
+            ("ZeRO-2 as shipped / plain with torch's default AdamW", OURS, PLAIN, "overhead"),
+            ("fused AdamW on both (like for like)", OURS_FUSED, PLAIN_FUSED, "overhead_fused"),
+        ):
             ds, plain = c[ds_name], c[plain_name]
-            goal = f"≤{OVERHEAD_GOAL:g}× {'✅' if r[key] <= OVERHEAD_GOAL else '❌'}" if key == "overhead" else ""
+            goal = f"≤{OVERHEAD_GOAL:g}× {'✅' if r[key] <= OVERHEAD_GOAL else '❌'}" if key == "overhead_fused" else ""
             table.append([f"{r['micro']}×{r['length']}", label,
                           *(f"{1000 * plain[k]:.0f} / {1000 * ds[k]:.0f}" for k in ("forward_s", "backward_s", "step_s")),
                           f"{plain['minor_faults'] / 1000:.0f}k / {ds['minor_faults'] / 1000:.0f}k",
@@ -443,12 +440,13 @@ def overhead_section(rows: list[dict], plan: Plan) -> Section:
         "are plain / ZeRO-2 medians: forward; backward (ZeRO-2's gradient hooks copy every gradient into its "
         "reduce buckets and all-reduce them, even at 1 rank); optimizer (`engine.step`: gradient norm, clipping, "
         "AdamW on the flat fp32 partition, copy back into the parameters); minor page faults per step (memory "
-        "the kernel maps and zero-fills anew). Ratio = median of per-round ZeRO-2 / plain step times. The shipped "
-        "configs run torch's default (single-tensor, unfused on CPU) AdamW; the second row of each shape adds "
-        "`\"fused\": true` to the DeepSpeed optimizer params (DeepSpeed passes it to `torch.optim.AdamW`) and "
-        "`fused=True` to the plain optimizer: not the shipped config, measured to size that change "
-        f"(ZeRO-2 shipped / ZeRO-2 fused step time: {gains or 'n/a'}). fp32 only: DeepSpeed's bf16 keeps fp32 "
-        "master weights, which a plain bf16 model has no equivalent of."
+        "the kernel maps and zero-fills anew). Ratio = median of per-round ZeRO-2 / plain step times. On CPU the "
+        "shipped configs resolve to torch's fused AdamW (`fill_deepspeed_config` adds `\"fused\": true`, which "
+        "DeepSpeed passes to `torch.optim.AdamW`). First row of each shape: that ZeRO-2 step against a plain "
+        "step with torch's default AdamW (foreach); second row, the goal: both fused, like for like (a ZeRO-2 "
+        "engine given `fused` explicitly; ZeRO-2 shipped / ZeRO-2 explicit step time: "
+        f"{gains or 'n/a'}). fp32 only: DeepSpeed's bf16 keeps fp32 master weights, which a plain bf16 model "
+        "has no equivalent of."
     )
     headers = ["micro×T", "optimizer", "forward ms", "backward ms", "optimizer ms", "page faults",
                "plain tokens/s", "ZeRO-2 tokens/s", "ZeRO-2 / plain", "goal"]
@@ -566,7 +564,7 @@ def measure_stage(stage: int, spec: dict, rank: int, world: int) -> dict:
 
 def memory_worker(spec: dict, out: Path) -> None:
     """One rank of a torchrun launch: for each ZeRO stage in `spec["stages"]`, build our model as
-    `roformer-rope pretrain` does (full model on every rank, then `deepspeed.initialize`) and train a few steps.
+    `roformer-rope pretrain` does (ZeRO-3: inside `zero.Init`), `deepspeed.initialize` it, train a few steps.
 
     A tiny model of the same class goes through the same stages first, so the lazy imports and one-off
     allocations of transformers, oneDNN and DeepSpeed (~200 MiB) are not counted as the model's memory."""
@@ -684,18 +682,17 @@ def memory_section(rows: list[dict], plan: Plan) -> Section:
         "building the model to the last step, minus the baseline, per rank. Steady = peak of the steps after "
         "the first (Adam state exists), both ranks; init = building the model + `deepspeed.initialize`; "
         "resident = RSS after the last step (parameters, gradients, optimizer state, allocator caches). "
-        "As `roformer-rope pretrain` does, every rank builds the full model and `deepspeed.initialize` "
-        "partitions it (ZeRO-3 included: no `zero.Init`). Model states (theory) = what ZeRO's paper counts per "
+        "As `roformer-rope pretrain` does, ZeRO-1/2 ranks build the full model and `deepspeed.initialize` "
+        "partitions gradients and optimizer state; under ZeRO-3 the model is built inside `deepspeed.zero.Init` "
+        "(transformers' `HfDeepSpeedConfig` + `_from_config`), so no rank ever holds all of it. Bucket sizes are the "
+        "shipped files' \"auto\" values (the Trainer integration's rules): reduce/allgather hidden² elements "
+        "(768² = 2.25 MiB fp32), ZeRO-3 prefetch 0.9·hidden², `stage3_max_live_parameters` = "
+        "`stage3_max_reuse_distance` = 1e7. Model states (theory) = what ZeRO's paper counts per "
         "rank for fp32 training with N ranks and P parameters: parameters 4P (ZeRO-3: 4P/N), gradients 4P "
         "(ZeRO-2: 4P/N, ZeRO-3: 4P/N), fp32 master copy + Adam moments 12P/N (DeepSpeed clones the fp32 "
-        "partition even when the model is fp32); not counted: activations, the reduce/prefetch buckets "
-        "(`reduce_bucket_size` 5e7 elements = 191 MiB each, two with `overlap_comm`), ZeRO-3's gathered parameters. "
-        "Rows named `MALLOC_MMAP_THRESHOLD_` run with `MALLOC_MMAP_THRESHOLD_=131072`: glibc then hands every freed "
-        "tensor of ≥128 KiB back to the OS (by default its threshold climbs to 32 MiB after the first large free, "
-        "so the full model each rank builds before ZeRO-3 partitions it stays resident as free heap). Rows named "
-        "`5e6 buckets` replace the shipped bucket sizes (ZeRO-2: reduce/allgather 5e6 elements; ZeRO-3: "
-        "reduce/prefetch 5e6, `stage3_max_live_parameters` 1e7). Not the shipped setup: they show why ZeRO-3 "
-        "is not lower with it."
+        "partition even when the model is fp32); not counted: activations, buckets, ZeRO-3's gathered parameters. "
+        "Rows named `MALLOC_MMAP_THRESHOLD_` (when a plan has them) run with `MALLOC_MMAP_THRESHOLD_=131072`: glibc "
+        "then hands every freed tensor of ≥128 KiB back to the OS."
         + "".join(f" A {r['name']} ZeRO-{r['stage']} launch failed once and was rerun: {r['ranks'][0]['failed_attempts'][0]!r}."
                   for r in rows if r["ranks"][0].get("failed_attempts"))
     )
@@ -705,7 +702,7 @@ def memory_section(rows: list[dict], plan: Plan) -> Section:
     series: dict[str, list[float]] = {"rank 0 peak Δ": [], "rank 1 peak Δ": []}
     for r in rows:
         size = ModelSize(**r["model"])
-        variant = (" +malloc" if r.get("env") else "") + (" +5e6" if r.get("zero_overrides") else "")
+        variant = (" +malloc" if r.get("env") else "") + (" +overrides" if r.get("zero_overrides") else "")
         labels.append(f"{size.label()}{variant}\nZeRO-{r['stage']}")
         for k in r["ranks"]:
             series[f"rank {k['rank']} peak Δ"].append(mib(peak_increase(k)))
@@ -782,10 +779,10 @@ def summary_section(sections: list[Section]) -> Section:
                      f"{r['speedup']:.2f}× ours / built-in", goal])
     for r in by_key.get("overhead", {}).get("rows", []):
         c = r["candidates"]
-        rows.append(["DeepSpeed overhead (ours, fp32)", f"{r['micro']}×{r['length']}",
-                     f"plain {c[PLAIN]['tokens_per_s']:,.0f} / ZeRO-2 {c[OURS]['tokens_per_s']:,.0f} tokens/s",
-                     f"{r['overhead']:.2f}× ZeRO-2 / plain step",
-                     f"≤{OVERHEAD_GOAL:g}× {'✅' if r['overhead'] <= OVERHEAD_GOAL else '❌'}"])
+        rows.append(["DeepSpeed overhead (ours, fp32, fused AdamW both)", f"{r['micro']}×{r['length']}",
+                     f"plain {c[PLAIN_FUSED]['tokens_per_s']:,.0f} / ZeRO-2 {c[OURS_FUSED]['tokens_per_s']:,.0f} tokens/s",
+                     f"{r['overhead_fused']:.2f}× ZeRO-2 / plain step",
+                     f"≤{OVERHEAD_GOAL:g}× {'✅' if r['overhead_fused'] <= OVERHEAD_GOAL else '❌'}"])
     train = {(t["micro"], t["length"]): t["candidates"][OURS]["tokens_per_s"]
              for t in by_key.get("throughput", by_key.get("overhead", {})).get("rows", [])}
     for r in by_key.get("data", {}).get("rows", []):
@@ -840,10 +837,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, help="timed rounds per shape (default: 5, quick 1)")
     parser.add_argument("--precisions", help="comma-separated fp32,bf16 (default: both where the CPU has native bf16, else fp32)")
     parser.add_argument("--memory-steps", type=int, help="steps per memory launch (default: 3, quick 2)")
+    parser.add_argument("--memory-runs", help="comma-separated memory rows to run (default: all of the plan: "
+                        "default, states dominate, large)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice; --quick: 1)")
     parser.add_argument("--out", help="output folder (default: bench/results/<cpu-tag>/pretrain)")
     parser.add_argument("--cache", default=os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "roformer-rope",
                                                           "bench_pretrain"), help="vocabulary + token stream cache")
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite README.md and the PNGs of --out (or the default folder) from its results.json")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     parser.add_argument("--memory-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -866,6 +867,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tempfile.gettempdir()) / "bench_pretrain_quick" / tag
     else:
         out = HERE / "results" / tag / "pretrain"
+    if args.render:
+        return render(out, plan)
     import deepspeed
 
     info = {"CPU tag": tag, "lscpu model name": model_name,
@@ -913,6 +916,26 @@ def main(argv: list[str] | None = None) -> int:
     for section in [summary_section(sections), *sections]:
         print(section.markdown())
     print(f"written to {out}")
+    return 0
+
+
+def render(out: Path, plan: Plan) -> int:
+    """README.md + PNGs again from results.json (after a change to the report's text, no re-measuring)."""
+    payload = json.loads((out / "results.json").read_text())
+    throughput = payload.get("throughput", payload.get("overhead", {})).get("rows", [])
+    sections = []
+    if "throughput" in payload:
+        sections.append(throughput_section(payload["throughput"]["rows"], plan))
+    if "overhead" in payload:
+        sections.append(overhead_section(payload["overhead"]["rows"], plan))
+    if "data" in payload:
+        sections.append(data_section(payload["data"]["rows"], throughput, plan))
+    if "memory" in payload:
+        sections.append(memory_section(payload["memory"]["rows"], plan))
+    if "profile" in payload:
+        sections.append(profile_section(payload["profile"]["profile"]))
+    write_report(out, sections, payload["machine"], payload["argv"])
+    print(f"rendered {out / 'README.md'} from results.json")
     return 0
 
 

@@ -157,11 +157,14 @@ class _OneDNNLinear(torch.autograd.Function):
     faster for its shape class on this CPU. One autograd node whatever the choice: see `linear`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, zero_rows: bool = False
+    ) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
         ctx.input_shape = x.shape
+        ctx.zero_rows = zero_rows
         if _forward_choice(x2d, weight, bias) == "onednn":
             y = _mm(x2d, weight, bias)  # (N, O)
         else:
@@ -172,6 +175,10 @@ class _OneDNNLinear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x2d, weight = ctx.saved_tensors
         go = grad_output.reshape(-1, weight.shape[0]).contiguous()  # (N, O)
+        if ctx.zero_rows:
+            sparse = _backward_on_nonzero_rows(ctx, go, x2d, weight)
+            if sparse is not None:
+                return sparse
         grad_x = grad_w = grad_b = None
         use_onednn = _backward_choice(go, x2d, weight) == "onednn"
         if ctx.needs_input_grad[0]:
@@ -182,7 +189,30 @@ class _OneDNNLinear(torch.autograd.Function):
             grad_w = _mm(go.t().contiguous(), x2d.t().contiguous(), None) if use_onednn else go.t().mm(x2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = go.sum(0)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
+
+
+def _backward_on_nonzero_rows(ctx, go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor):
+    """The backward GEMMs on the rows whose upstream gradient is not all zero, or None when most rows are.
+
+    An MLM loss with `ignore_index` gives the vocabulary projection a gradient that is zero on every unlabelled
+    position (~85% of them): those rows add nothing to grad_W = goᵀ·x and get grad_x = 0, so both GEMMs
+    (2·N·I·O FLOPs each, the largest of a dense-head MLM step) can skip them. Exact: the same sums without
+    zero terms; the rows are found by looking at the gradient itself (NaN/inf rows count as non-zero).
+    """
+    nonzero = go.ne(0).any(dim=1)  # (N,)
+    rows = nonzero.nonzero().squeeze(1)  # (M,)
+    if rows.numel() * 2 > go.shape[0]:
+        return None
+    go_m, x_m = go.index_select(0, rows), x2d.index_select(0, rows)  # (M, O), (M, I)
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = x2d.new_zeros(x2d.shape).index_copy_(0, rows, go_m.mm(weight)).view(ctx.input_shape)  # (..., I)
+    if ctx.needs_input_grad[1]:
+        grad_w = go_m.t().mm(x_m)  # (O, I)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = go_m.sum(0)  # (O,)
+    return grad_x, grad_w, grad_b, None
 
 
 _PROXY_ROWS = 256  # rows of the slice a shape class is timed on
@@ -225,8 +255,13 @@ def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return choose(key, {"onednn": lambda: _mm(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)})
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` semantics; the GEMMs of CPU float32/bf16 run on oneDNN where that is faster on this CPU."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, zero_grad_rows: bool = False
+) -> torch.Tensor:
+    """`F.linear` semantics; the GEMMs of CPU float32/bf16 run on oneDNN where that is faster on this CPU.
+
+    `zero_grad_rows`: the upstream gradient is expected to be zero on most rows (an MLM decoder under a loss
+    with ignored positions); the backward then runs its GEMMs on the other rows only."""
     if x.dtype != torch.float32:
         warn_if_emulated(x)
     if not _onednn_applies(x, weight):
@@ -236,7 +271,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # on a per-process timing: it fixes the order in which gradients become ready, which DeepSpeed ZeRO and
         # DDP bucket their reductions by, and two ranks that measured differently would exchange buckets of
         # different sizes (gloo aborts: "Received data size doesn't match expected size").
-        return _OneDNNLinear.apply(x, weight, bias)
+        return _OneDNNLinear.apply(x, weight, bias, zero_grad_rows)
     if _forward_choice(x, weight, bias) != "onednn":
         return F.linear(x, weight, bias)
     return _mm(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -245,8 +280,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class RoFormerRopeLinear(nn.Linear):
     """Drop-in `nn.Linear` (same parameters and state dict) routed through `linear` above."""
 
+    zero_grad_rows = False  # set on an MLM decoder: see `linear`
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.zero_grad_rows)
 
 
 def hooked(*modules: nn.Module) -> bool:

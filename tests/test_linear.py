@@ -73,3 +73,51 @@ def test_environment_switch_disables_onednn():
         [sys.executable, "-c", probe], capture_output=True, text=True, env={"ROFORMER_ROPE_ONEDNN": "0", "PATH": ""}
     )
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr
+
+
+@needs_onednn
+@pytest.mark.parametrize("labelled", [0.15, 0.9])
+def test_backward_on_the_rows_with_a_gradient_is_exact(monkeypatch, labelled):
+    """An MLM decoder's upstream gradient is zero on unlabelled rows: with `zero_grad_rows` the backward GEMMs
+    run on the other rows only (when they are under half), and every gradient equals F.linear's."""
+    taken = []
+    real = lin._backward_on_nonzero_rows
+    monkeypatch.setattr(lin, "_backward_on_nonzero_rows", lambda *a: taken.append(real(*a)) or taken[-1])
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    bias = torch.randn(50, requires_grad=True)
+    grad = torch.randn(3, 40, 50) * (torch.rand(3, 40, 1) < labelled)  # rows of zeros where "unlabelled"
+    grad[0, 0, 0] = float("nan") if labelled < 0.5 else grad[0, 0, 0]  # a NaN row is not a zero row
+    lin.linear(x, weight, bias, zero_grad_rows=True).backward(grad)
+    ours = (x.grad, weight.grad, bias.grad)
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
+    F.linear(x2, w2, b2).backward(grad)
+    for got, want in zip(ours, (x2.grad, w2.grad, b2.grad)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert len(taken) == 1 and (taken[0] is not None) == (labelled < 0.5)
+
+
+@needs_onednn
+def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
+    """The MaskedLM decoder skips the ignored positions' zero gradient rows: same gradients as the built-in."""
+    from conftest import builtin_model, padded_batch
+
+    from roformer_rope.conversion.from_transformers import convert_model
+
+    builtin = builtin_model("RoFormerForMaskedLM").train()
+    ours = convert_model(builtin).train()
+    assert ours.lm_head.decoder.zero_grad_rows and not ours.config.sparse_prediction
+    batch = padded_batch(seq_len=40)
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, ::7] = batch["input_ids"][:, ::7]  # ~15% of positions carry a target
+    torch.manual_seed(1)
+    ours(**batch, labels=labels).loss.backward()
+    torch.manual_seed(1)
+    builtin(**batch, labels=labels).loss.backward()
+    ours_embed = ours.get_input_embeddings().weight.grad  # tied: decoder + embedding gradients
+    theirs_embed = builtin.get_input_embeddings().weight.grad
+    torch.testing.assert_close(ours_embed, theirs_embed, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.lm_head.decoder.bias.grad, builtin.cls.predictions.decoder.bias.grad
+                               if builtin.cls.predictions.decoder.bias is not None else builtin.cls.predictions.bias.grad,
+                               atol=1e-6, rtol=1e-5)  # fmt: skip

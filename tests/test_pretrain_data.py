@@ -161,7 +161,7 @@ def test_deepspeed_auto_values_come_from_the_run():
                                    lr=3e-4, weight_decay=0.01, on_cpu=True, hidden_size=256)  # fmt: skip
     assert (filled["train_batch_size"], filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"]) == (32, 4, 4)
     assert filled["bf16"]["enabled"] is True and filled["fp16"]["enabled"] is False
-    assert filled["optimizer"]["params"] == {**template["optimizer"]["params"], "lr": 3e-4, "weight_decay": 0.01, "torch_adam": True}
+    assert filled["optimizer"]["params"] == {**template["optimizer"]["params"], "lr": 3e-4, "weight_decay": 0.01, "torch_adam": True, "fused": True}
     assert "auto" not in json.dumps(filled) and filled["zero_optimization"]["stage"] == 3
     zero = filled["zero_optimization"]  # bucket sizes follow the width, as in the Trainer integration
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (256 * 256, int(0.9 * 256 * 256))
