@@ -538,6 +538,10 @@ def measure_stage(stage: int, spec: dict, rank: int, world: int) -> dict:
     rss0 = proc_status("VmRSS")
     can_reset = reset_peak()
     torch.manual_seed(0)
+    if stage == 3:  # as `roformer-rope pretrain` does for ZeRO-3 on CPU (each stage is its own launch)
+        from roformer_rope.scripts.pretrain_engine import release_large_frees
+
+        release_large_frees()
     ds_config = zero_config(stage, spec["micro"], world, "fp32", spec["model"]["hidden"])
     ds_config["zero_optimization"].update(spec.get("zero_overrides", {}).get(str(stage), {}))
     model = ours_model(ModelSize(**spec["model"]), spec["vocab"], spec["length"], ds_config if stage == 3 else None)
@@ -687,7 +691,10 @@ def memory_section(rows: list[dict], plan: Plan) -> Section:
         "(transformers' `HfDeepSpeedConfig` + `_from_config`), so no rank ever holds all of it. Bucket sizes are the "
         "shipped files' \"auto\" values (the Trainer integration's rules): reduce/allgather hidden² elements "
         "(768² = 2.25 MiB fp32), ZeRO-3 prefetch 0.9·hidden², `stage3_max_live_parameters` = "
-        "`stage3_max_reuse_distance` = 1e7. Model states (theory) = what ZeRO's paper counts per "
+        "`stage3_max_reuse_distance` = 1e7, `sub_group_size` 1e7, torch's fused AdamW; and, as `roformer-rope "
+        "pretrain` does for ZeRO-3 on CPU, glibc's mmap threshold fixed at 1 MiB in the ZeRO-3 launches "
+        "(`release_large_frees`: the parameters ZeRO-3 gathers and frees every layer go back to the OS instead "
+        "of fragmenting the heap). Model states (theory) = what ZeRO's paper counts per "
         "rank for fp32 training with N ranks and P parameters: parameters 4P (ZeRO-3: 4P/N), gradients 4P "
         "(ZeRO-2: 4P/N, ZeRO-3: 4P/N), fp32 master copy + Adam moments 12P/N (DeepSpeed clones the fp32 "
         "partition even when the model is fp32); not counted: activations, buckets, ZeRO-3's gathered parameters. "

@@ -546,6 +546,11 @@ def run(args: argparse.Namespace) -> int:
     run_.check_stages()
     run_.prepare_data()
     run_.resolve_deepspeed()
+    if run_.ds_config["zero_optimization"].get("stage") == 3 and run_.dist.device.type == "cpu":
+        from .pretrain_engine import release_large_frees
+
+        if release_large_frees():
+            logger.info("ZeRO-3 on CPU: allocations of >= 1 MiB are mmapped (freed gathers go back to the OS)")
     model = run_.build_model()
     run_.start_engine(model)
     if run_.main:

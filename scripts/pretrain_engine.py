@@ -13,12 +13,14 @@ killed mid-save leaves a `.partial-*` folder (removed at the next start) and the
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import random
 import shutil
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +90,28 @@ def teardown_distributed(dist: Dist) -> None:
         torch.distributed.destroy_process_group()
     for key in dist.own_env:
         os.environ.pop(key, None)
+
+
+MMAP_THRESHOLD = 1 << 20  # bytes
+
+
+def release_large_frees(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc serve allocations of ≥ `threshold` bytes with mmap, so freeing one returns it to the OS.
+
+    ZeRO-3 gathers every layer's parameters before it runs and frees them after, forward and backward, every
+    step. With glibc's default (a threshold that climbs to 32 MiB after the first large free) those buffers
+    come from the heap and fragment it: a 2-rank CPU run of a 107M-parameter model kept ~850 MiB of freed
+    heap per rank after 3 steps (released by `malloc_trim`), which made ZeRO-3's peak RSS higher than
+    ZeRO-2's although its live tensors were not. Used for ZeRO-3 on CPU; left alone when the user set
+    `MALLOC_MMAP_THRESHOLD_` or off Linux/glibc. Returns whether the setting was applied.
+    """
+    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # -3 = M_MMAP_THRESHOLD (malloc.h)
+    except (OSError, AttributeError):
+        return False
 
 
 def barrier() -> None:

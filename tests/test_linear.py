@@ -102,7 +102,6 @@ def test_backward_on_the_rows_with_a_gradient_is_exact(monkeypatch, labelled):
 def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
     """The MaskedLM decoder skips the ignored positions' zero gradient rows: same gradients as the built-in."""
     from conftest import builtin_model, padded_batch
-
     from roformer_rope.conversion.from_transformers import convert_model
 
     builtin = builtin_model("RoFormerForMaskedLM").train()

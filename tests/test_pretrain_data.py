@@ -1,5 +1,7 @@
 """Pretraining data: whole-word masking on jieba words, packing, held-out separation, the jumpable sampler."""
 
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +179,17 @@ def test_deepspeed_auto_values_come_from_the_run():
     with pytest.raises(ValueError, match='sets train_batch_size=64, but the stages need 32: use "auto"'):
         fill_deepspeed_config(fixed, micro_batch=4, global_batch=32, world_size=2, precision="fp32",
                               lr=1e-3, weight_decay=0.0, on_cpu=True, hidden_size=256)  # fmt: skip
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
+def test_zero3_cpu_allocator_setting_applies_unless_the_user_chose():
+    """ZeRO-3 on CPU fixes glibc's mmap threshold (freed gathers go back to the OS); a user's own
+    MALLOC_MMAP_THRESHOLD_ wins. In child processes: the setting is process-wide."""
+    import subprocess
+
+    code = "from roformer_rope.scripts.pretrain_engine import release_large_frees; print(release_large_frees())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,  # noqa: E731
+                                       env={**env, **extra}).stdout.strip()  # fmt: skip
+    assert run({}) == "True"
+    assert run({"MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"
