@@ -851,6 +851,24 @@ def plot(results: dict, out: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def extend_block(old: dict, new: dict) -> dict:
+    """`--extend`: the new lengths' results added to a level's previous ones (per-length dicts merged, the
+    lengths unioned; the run's own arguments and load kept per run under "extended_by")."""
+    merged = dict(old)
+    for key, value in new.items():
+        if key == "lengths":
+            merged[key] = sorted(set(old.get(key, [])) | set(value))
+        elif isinstance(value, dict) and isinstance(old.get(key), dict):
+            merged[key] = extend_block(old[key], value)
+        elif key in ("args", "load_end"):
+            merged.setdefault("extended_by", []).append({key: value})
+        elif key in ("cpu", "machine", "dispatch"):
+            continue  # the first run's description stays
+        else:
+            merged[key] = value
+    return merged
+
+
 def level_block(lengths: list[int], args) -> dict:
     return {"cpu": cpu_line(), "machine": machine(), "lengths": lengths, "args": public_args(args)}
 
@@ -975,6 +993,8 @@ def main() -> None:
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--no-memory", action="store_true", help="op and layer levels: skip the memory children")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--extend", action="store_true",
+                        help="add this run's lengths to the level's previous results instead of replacing them")
     parser.add_argument("--out", default=os.path.join(HERE, "results", cpu_tag(), "linear_attention"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1005,7 +1025,10 @@ def main() -> None:
     }
     os.makedirs(args.out, exist_ok=True)
     for level in levels:
-        results[level] = runners[level](args)
+        block = runners[level](args)
+        if args.extend and isinstance(results.get(level), dict):
+            block = extend_block(results[level], block)
+        results[level] = block
         with open(path, "w") as f:  # after every level: a later failure keeps what was measured
             json.dump(results, f, indent=1)
     markdown = report(results)
