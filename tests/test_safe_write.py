@@ -160,7 +160,16 @@ def test_interrupt_after_the_swap_before_cleanup_keeps_the_new_output(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_real_ctrl_c_during_the_swap_is_held_until_it_is_complete(tmp_path, old_out, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler for the test: a process started in the background by a non-interactive
+    shell (nohup, `cmd &`) inherits SIGINT ignored, and then a real Ctrl-C never reaches Python at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_real_ctrl_c_during_the_swap_is_held_until_it_is_complete(tmp_path, old_out, monkeypatch, ctrl_c_raises):
     real = safe_write._rename
     calls = []
 
