@@ -114,7 +114,7 @@ class RoFormerRopeSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = hidden_states.shape
@@ -122,8 +122,8 @@ class RoFormerRopeSelfAttention(nn.Module):
         query, key, value = rotate_qkv(qkv, *position_embeddings, self.rotary_value, self.qkv)  # 3 × (B, T, H, D)
         # (B, H, T, D) views: SDPA on CPU reads these strides directly and writes (B, T, H, D) memory.
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
 
         attn_output, attn_weights = softmax_attention_function(self.config)(
             self,

@@ -57,7 +57,7 @@ class RoFormerRopeConfig(PreTrainedConfig):
     """
 
     model_type = "roformer_rope"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     vocab_size: int = 50000
     embedding_size: int | None = None

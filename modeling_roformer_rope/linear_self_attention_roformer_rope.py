@@ -171,7 +171,7 @@ class RoFormerRopeLinearSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         feature_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
@@ -182,8 +182,8 @@ class RoFormerRopeLinearSelfAttention(nn.Module):
         if self.rotary_value:  # the English ELECTRA-style RoFormers also rotate values
             value = rotate(value, *(t[:, None] for t in position_embeddings))
         inputs = self.features(query, key, position_embeddings, feature_position_embeddings)
-        if past_key_values is not None and self.is_causal:
-            layer = past_key_values.layers[self.layer_idx]
+        if cache is not None and self.is_causal:
+            layer = cache.layers[self.layer_idx]
             out, state = linear_attention_step(
                 **inputs, value=value, state=layer.state, key_mask=attention_mask, chunk_size=self.chunk_size
             )

@@ -15,7 +15,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
@@ -33,6 +33,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention_roformer_rope import RoFormerRopeSelfAttention, attention_class, unilm_mask_function
+from .cache_name_roformer_rope import cache_kwarg, causal_mask, output_cache, take_cache
 from .configuration_roformer_rope import RoFormerRopeConfig
 from .inputs_roformer_rope import check_inputs
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention, install_cache_layers
@@ -116,14 +117,15 @@ class RoFormerRopeLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        cache = take_cache(cache, kwargs)
         attn_output, _ = self.attention(
             hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         hidden_states = self.attention_norm(hidden_states + self.dropout(attn_output))
@@ -148,7 +150,7 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
     base_model_prefix = "roformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["RoFormerRopeEmbeddings", "RoFormerRopeLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -243,21 +245,21 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
         token_type_ids: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         position_ids: torch.Tensor,
     ) -> torch.Tensor | None:
         """Build the mask once per forward, in the form the attention backend wants."""
         if self.config.is_decoder:
-            return create_causal_mask(
+            return causal_mask(
                 config=self.config,
                 inputs_embeds=hidden_states,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 position_ids=position_ids,
             )
         and_mask = None
         if self.config.unilm_mask and token_type_ids is not None:
-            if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("unilm_mask does not support a KV cache: pass the whole sequence")
             and_mask = unilm_mask_function(token_type_ids)
         return create_bidirectional_mask(
@@ -276,18 +278,24 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        r"""
+        cache (`Cache`, *optional*):
+            The KV cache of earlier tokens (decoders): a `DynamicCache` from an earlier call with `use_cache=True`.
+            transformers before 5.24 named it `past_key_values`; that name is accepted too.
+        """
+        cache = take_cache(cache, kwargs)
         if not self.config.is_decoder:
             use_cache = False
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None and self.has_linear_layers:
-            install_cache_layers(past_key_values, self.config)
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None and self.has_linear_layers:
+            install_cache_layers(cache, self.config)
+        past_seen = cache.get_seq_length() if cache is not None else 0
         check_inputs(
             input_ids,
             inputs_embeds,
@@ -314,7 +322,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         masks = {}
         if self.has_softmax_layers:
             masks["softmax"] = self._attention_mask(
-                hidden_states, attention_mask, token_type_ids, past_key_values, position_ids
+                hidden_states, attention_mask, token_type_ids, cache, position_ids
             )
         if self.has_linear_layers:
             masks["linear"] = self._key_padding_mask(attention_mask, hidden_states.shape[1])
@@ -323,14 +331,14 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
                 hidden_states,
                 attention_mask=masks[layer.mask_kind],
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                **cache_kwarg(cache),  # under this transformers' name: gradient checkpointing drops it by name
                 **kwargs,
             )
 
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
             pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_kwarg(cache if use_cache else None),
         )
 
 
@@ -440,7 +448,7 @@ class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -448,15 +456,19 @@ class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithCrossAttentions:
         r"""
+        cache (`Cache`, *optional*):
+            The KV cache of earlier tokens: a `DynamicCache` from an earlier call with `use_cache=True`.
+            transformers before 5.24 named it `past_key_values`; that name is accepted too.
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Next-token labels; shifted inside the loss, -100 is ignored.
         """
+        cache = take_cache(cache, kwargs)
         outputs = self.roformer(
             input_ids,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -470,7 +482,7 @@ class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
         return CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_kwarg(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

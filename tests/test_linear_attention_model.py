@@ -16,6 +16,7 @@ import torch
 
 import modeling_roformer_rope as rr
 from conftest import padded_batch, randomise_, tiny_config
+from modeling_roformer_rope.cache_name_roformer_rope import output_cache
 
 
 def model_of(cls=rr.RoFormerRopeModel, seed=0, **overrides):
@@ -132,12 +133,12 @@ def test_generate_equals_greedy_full_forwards_with_a_constant_state(kind, extra)
             sequence = torch.cat([sequence, step], dim=1)
         assert torch.equal(generated, sequence)
         out = model(ids, use_cache=True)
-        layer = out.past_key_values.layers[-1]
+        layer = output_cache(out).layers[-1]
         sizes = [t.numel() for t in layer.state]
         for _ in range(20):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), cache=output_cache(out), use_cache=True)
         assert [t.numel() for t in layer.state] == sizes  # memory does not grow with length
-        assert out.past_key_values.get_seq_length() == 25
+        assert output_cache(out).get_seq_length() == 25
 
 
 def test_performer_projection_is_saved_and_redrawn_only_when_asked(tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 import modeling_roformer_rope as rr
 from conftest import padded_batch, randomise_, tiny_config
+from modeling_roformer_rope.cache_name_roformer_rope import output_cache, take_cache
 from modeling_roformer_rope.modeling_roformer_rope import RoFormerRopeRMSNorm
 
 
@@ -83,27 +84,54 @@ def test_decoder_is_causal():
     torch.testing.assert_close(run(model, "sdpa", **prefix).last_hidden_state, full[:, :5], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_kv_cache_matches_full_forward(attn):
+def test_kv_cache_matches_full_forward(attn, name):
+    """The cache works under the current name (`cache`, transformers ≥ 5.24) and the old one."""
     model = model_of(rr.RoFormerRopeForCausalLM, is_decoder=True)
     model.set_attn_implementation(attn)
     ids = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :6], use_cache=True)
-        cache = first.past_key_values
+        cache = output_cache(first)
         assert cache.get_seq_length() == 6
-        step = model(ids[:, 6:], past_key_values=cache, use_cache=True)
+        step = model(ids[:, 6:], use_cache=True, **{name: cache})
+        assert output_cache(step) is cache and cache.get_seq_length() == 10
     torch.testing.assert_close(step.logits, full[:, 6:], atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_generate_same_with_and_without_cache():
+def test_cache_under_both_names_is_refused():
+    model = model_of(rr.RoFormerRopeForCausalLM, is_decoder=True)
+    ids = torch.randint(1, 99, (1, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first, other = (output_cache(model(ids, use_cache=True)) for _ in range(2))
+        with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
+            model(ids, cache=first, past_key_values=other, use_cache=True)
+
+
+def test_greedy_generate_with_cache_equals_full_forwards():
+    """generate() feeds one token per step with the cache it got back: the cache must reach the model under the
+    name this transformers passes (a model that misses it restarts from an empty cache and drifts)."""
     model = model_of(rr.RoFormerRopeForCausalLM, is_decoder=True)
     prompt = torch.randint(1, 99, (1, 4), generator=torch.Generator().manual_seed(3))
     kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    seen = []  # (new tokens, cached tokens) at each call of the base model
+
+    def record(module, args, kwargs):
+        cache = take_cache(kwargs.get("cache"), dict(kwargs))  # whichever name reached the model
+        seen.append((args[0].shape[1], 0 if cache is None else cache.get_seq_length()))
+
+    hook = model.roformer.register_forward_pre_hook(record, with_kwargs=True)
     with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    hook.remove()
+    assert seen == [(4, 0)] + [(1, 4 + i) for i in range(29)]
     without = model.generate(prompt, use_cache=False, **kwargs)
-    assert with_cache.shape == (1, 34) and torch.equal(with_cache, without)
+    greedy = prompt
+    with torch.no_grad():
+        for _ in range(30):
+            greedy = torch.cat([greedy, model(greedy).logits[:, -1:].argmax(-1)], dim=1)
+    assert with_cache.shape == (1, 34) and torch.equal(with_cache, greedy) and torch.equal(without, greedy)
 
 
 def test_explicit_position_ids_shift_is_invisible_to_an_encoder():
@@ -154,7 +182,8 @@ def test_gradient_checkpointing_gives_same_gradients():
         model = model_of(rr.RoFormerRopeForMaskedLM)
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            # renamed activation_checkpointing_enable in transformers 5.24; the old name warns there
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         batch = padded_batch()
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         model(**batch, labels=labels).loss.backward()
