@@ -1,6 +1,6 @@
 """Where does our forward's time go? torch.profiler, self CPU time grouped into categories.
 
-    python bench/profile_forward.py --layers 4 --shapes 4x512,1x4096 [--train]
+    python bench/profile_forward.py --layers 4 --shapes 4x512,1x4096 [--train] [--dtype bfloat16] [--builtin]
 
 Categories: GEMM (linear layers), attention (SDPA or our oneDNN kernel), rotary (`apply_rotary` and the cos/sin
 tables), mask building, norms, activation (GELU), residual adds / dropout, embeddings, other.
@@ -69,11 +69,13 @@ def categorise(events) -> dict[str, float]:
     return dict(totals)
 
 
-def profile_once(model, inputs: dict, train: bool) -> tuple[dict[str, float], float, str]:
+def profile_once(model, inputs: dict, train: bool, bf16: bool = False) -> tuple[dict[str, float], float, str]:
     def step():
         if train:
             model.zero_grad(set_to_none=True)
-            model(**inputs).loss.backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(**inputs).loss
+            loss.backward()
         else:
             with torch.no_grad():
                 model(**inputs)
@@ -92,22 +94,31 @@ def main() -> None:
     parser.add_argument("--shapes", default="4x512,1x4096")
     parser.add_argument("--train", action="store_true", help="profile MLM forward + backward instead")
     parser.add_argument("--ops", action="store_true", help="also print the top aten ops")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="model dtype (bfloat16: weights and activations, `.to`; with --train: bf16 autocast)")
+    parser.add_argument("--builtin", action="store_true", help="profile the built-in RoFormer instead of ours")
     args = parser.parse_args()
-    _, ours = make_pair(args.layers, 8192, head="mlm" if args.train else "base")
+    builtin, ours = make_pair(args.layers, 8192, head="mlm" if args.train else "base")
+    if args.builtin:
+        ours = builtin
+    if args.dtype == "bfloat16" and not args.train:
+        ours = ours.to(torch.bfloat16)
     if args.train:
         ours.train()
-    instrument(ours)
+    if not args.builtin:
+        instrument(ours)
     for shape in args.shapes.split(","):
         batch, length = (int(x) for x in shape.split("x"))
         inputs = random_batch(batch, length)
         if args.train:
             inputs["labels"] = inputs["input_ids"].masked_fill(torch.rand(batch, length) >= 0.15, -100)
-        totals, total, table = profile_once(ours, inputs, args.train)
+        totals, total, table = profile_once(ours, inputs, args.train, args.dtype == "bfloat16")
         rows = [
             [k, f"{1000 * v:.0f}", f"{100 * v / total:.1f}%"] for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
         ]
         print(
-            f"\n### {'train step' if args.train else 'forward'} {batch}×{length}, {args.layers} layers: "
+            f"\n### {'built-in' if args.builtin else 'ours'} {args.dtype} {'train step' if args.train else 'forward'} "
+            f"{batch}×{length}, {args.layers} layers: "
             f"{1000 * total:.0f} ms self CPU\n"
         )
         print(markdown_table(["category", "ms", "share"], rows))

@@ -28,7 +28,7 @@ _forced: dict[str, str | None] = {}
 
 
 def force(kind: str, path: str | None) -> None:
-    """Force the `kind` decision ("linear", "linear_backward", "attention") to `path`; None = measure again."""
+    """Force the `kind` decision ("linear", "linear_backward", "linear_gelu", "attention") to `path`; None = measure again."""
     _forced[kind] = path
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]

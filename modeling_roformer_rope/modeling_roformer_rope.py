@@ -37,7 +37,7 @@ from .cache_name_roformer_rope import cache_kwarg, causal_mask, output_cache, ta
 from .configuration_roformer_rope import RoFormerRopeConfig
 from .inputs_roformer_rope import check_inputs
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention, install_cache_layers
-from .onednn_roformer_rope import RoFormerRopeLinear, activation
+from .onednn_roformer_rope import RoFormerRopeLinear, linear_activation
 from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding
 
 logger = logging.get_logger(__name__)
@@ -96,8 +96,8 @@ class RoFormerRopeMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.up_proj(hidden_states)  # (B, T, I)
-        return self.down_proj(activation(self.act_fn, hidden_states, self.up_proj))
+        hidden_states = linear_activation(hidden_states, self.up_proj, self.act_fn)  # (B, T, I)
+        return self.down_proj(hidden_states)
 
 
 class RoFormerRopeLayer(GradientCheckpointingLayer):

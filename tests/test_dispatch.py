@@ -23,16 +23,20 @@ def forced():
             calibration.force(kind, path)
 
     yield force
-    for kind in ("linear", "linear_backward", "attention"):
+    for kind in ("linear", "linear_backward", "linear_gelu", "attention"):
         calibration.force(kind, None)
 
 
 @needs_onednn
 @pytest.mark.parametrize("attention", ["onednn", "sdpa"])
-@pytest.mark.parametrize("linear, backward", [("onednn", "onednn"), ("onednn", "torch"), ("torch", "torch")])
-def test_every_path_equals_the_builtin(forced, linear, backward, attention):
+@pytest.mark.parametrize(
+    "linear, backward, gelu",
+    [("onednn", "onednn", "fused"), ("onednn", "torch", "separate"), ("torch", "torch", "separate"),
+     ("torch", "torch", "fused")],
+)  # fmt: skip
+def test_every_path_equals_the_builtin(forced, linear, backward, gelu, attention):
     """Forward (at a length where the attention kernel may run) and gradients, per forced path."""
-    forced(linear=linear, linear_backward=backward, attention=attention)
+    forced(linear=linear, linear_backward=backward, linear_gelu=gelu, attention=attention)
     builtin = builtin_model("RoFormerForMaskedLM", max_position_embeddings=512)
     ours = convert_model(builtin).eval()
     batch = padded_batch(seq_len=400)
@@ -128,3 +132,43 @@ def test_training_graph_does_not_depend_on_the_measured_choice(forced):
     assert orders["onednn"] == orders["torch"]
     for name, grad in grads["onednn"].items():
         torch.testing.assert_close(grad, grads["torch"][name], atol=1e-5, rtol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_in_the_gemm_epilogue_only_where_nothing_can_see_the_gemm_output(forced, dtype):
+    """The fused GELU equals F.gelu(F.linear(...)); a hook on the producer, autograd or a non-exact GELU get
+    the unfused path (the hook sees the pre-GELU output)."""
+    if dtype == torch.bfloat16 and not fast._NATIVE[torch.bfloat16]:
+        pytest.skip("bf16 runs on oneDNN only where the CPU has bf16 instructions")
+    from transformers.activations import ACT2FN
+
+    forced(linear_gelu="fused")
+    torch.manual_seed(0)
+    producer = fast.RoFormerRopeLinear(48, 96).to(dtype)
+    x = torch.randn(2, 70, 48, dtype=dtype)
+    pre_gelu = torch.nn.functional.linear(x.float(), producer.weight.float(), producer.bias.float())  # (2, 70, 96)
+    expected = torch.nn.functional.gelu(pre_gelu)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    calls = []
+    original = fast._LINEAR_POINTWISE
+    fast._LINEAR_POINTWISE = lambda *args: (args[3] == "gelu" and calls.append(args[3])) or original(*args)
+    try:
+        with torch.no_grad():
+            fused = fast.linear_activation(x, producer, ACT2FN["gelu"])
+            assert calls == ["gelu"]
+            seen = []
+            hook = producer.register_forward_hook(lambda m, i, o: seen.append(o.clone()))
+            hooked = fast.linear_activation(x, producer, ACT2FN["gelu"])
+            hook.remove()
+            approximate = fast.linear_activation(x, producer, ACT2FN["gelu_new"])  # tanh form: never fused
+        with torch.enable_grad():
+            trained = fast.linear_activation(x.requires_grad_(), producer, ACT2FN["gelu"])
+    finally:
+        fast._LINEAR_POINTWISE = original
+    assert calls == ["gelu"]  # only the first call fused
+    assert fused.shape == (2, 70, 96) and fused.dtype == dtype
+    for got in (fused, hooked, trained):
+        torch.testing.assert_close(got.float(), expected, **tolerance)
+    torch.testing.assert_close(seen[0].float(), pre_gelu, **tolerance)  # the hook saw the GEMM output
+    torch.testing.assert_close(approximate.float(), ACT2FN["gelu_new"](pre_gelu), **tolerance)

@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from conftest import tiny_config
+from modeling_roformer_rope import rotary_roformer_rope as rotary_module
 from modeling_roformer_rope.rotary_roformer_rope import (
     RoFormerRopeRotaryEmbedding,
     apply_rotary,
@@ -114,15 +115,22 @@ def test_low_precision_inputs_rotate_in_float32(dtype):
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_place_rotation_equals_out_of_place(dtype):
-    """apply_rotary_ rotates the q/k slice of the fused projection in its own memory (float32 only)."""
+@pytest.mark.parametrize("chunk", [None, 1, 7 * 4 * 16])
+@pytest.mark.parametrize("per_batch_positions", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_in_place_rotation_equals_out_of_place(dtype, per_batch_positions, chunk, monkeypatch):
+    """apply_rotary_ rotates the q/k slice of the fused projection in its own memory, bit for bit as the
+    out-of-place form; bf16/fp16 go through float32 a few positions at a time (`chunk` forces 1 or several)."""
+    if chunk is not None:
+        monkeypatch.setattr(rotary_module, "_LOW_PRECISION_CHUNK", chunk)
     torch.manual_seed(0)
-    qkv = torch.randn(2, 9, 3, 4, 16).to(dtype)  # (B, T, 3, H, D)
-    cos, sin = RoFormerRopeRotaryEmbedding(tiny_config(hidden_size=64))(torch.arange(9)[None])
+    qkv = (torch.randn(2, 9, 3, 4, 16) * 3).to(dtype)  # (B, T, 3, H, D)
+    positions = torch.stack([torch.arange(9), torch.arange(9) + 500]) if per_batch_positions else torch.arange(9)[None]
+    cos, sin = RoFormerRopeRotaryEmbedding(tiny_config(hidden_size=64))(positions)
     expected = apply_rotary(qkv[:, :, :2], cos, sin)
     untouched = qkv[:, :, 2].clone()
     got = apply_rotary_(qkv[:, :, :2], cos, sin)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
-    assert (got.data_ptr() == qkv.data_ptr()) == (dtype == torch.float32)
+    assert got.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qkv[:, :, :2], expected, atol=0, rtol=0)
     assert torch.equal(qkv[:, :, 2], untouched)  # values stay as they were
