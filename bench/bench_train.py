@@ -18,7 +18,8 @@ import torch
 from common import ATOL, Section, bar_plot, fmt_ms, goal_cell, interleaved, make_pair, random_batch, shape_name
 
 SHAPES = [(8, 128), (4, 512)]
-GOALS = {(4, 512): 1.5}
+GOALS = {(8, 128): 1.0, (4, 512): 1.3}  # issue 14: dense head ≥ 1.3× at 4×512, nothing below 1.0×
+SPARSE_GOAL = 1.0  # sparse_prediction and bf16 cells: never slower than the built-in
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, bf16: bool = False) -> torch.Tensor:
@@ -77,6 +78,7 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
         # bf16 autocast training, both models alike (the built-in in the same dtype as ours)
         if bf16:
             steps["builtin_bf16"] = partial(train_step, builtin, optimizers["builtin"], inputs, True)
+            steps["ours_bf16_dense"] = partial(train_step, ours, optimizers["ours"], inputs, True)
             steps["ours_bf16"] = partial(train_step, sparse, optimizers["ours_sparse"], inputs, True)
         timing = interleaved(steps, reps=reps, warmup=1)  # first AdamW step allocates its state
         r = dict(
@@ -91,6 +93,8 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
             builtin_bf16_s=timing.median("builtin_bf16") if bf16 else None,
             bf16_s=timing.median("ours_bf16") if bf16 else None,
             bf16_speedup=timing.ratio("builtin_bf16", "ours_bf16") if bf16 else None,
+            bf16_dense_s=timing.median("ours_bf16_dense") if bf16 else None,
+            bf16_dense_speedup=timing.ratio("builtin_bf16", "ours_bf16_dense") if bf16 else None,
             times=timing.times,
         )
         results.append(r)
@@ -110,10 +114,10 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
                 fmt_ms(r["ours_s"]),
                 f"{r['speedup']:.2f}× {goal_cell(r['speedup'], goal)}",
                 fmt_ms(r["sparse_s"]),
-                f"{r['sparse_speedup']:.2f}× {goal_cell(r['sparse_speedup'], goal)}",
+                f"{r['sparse_speedup']:.2f}× {goal_cell(r['sparse_speedup'], SPARSE_GOAL)}",
                 fmt_ms(r["builtin_bf16_s"]) if bf16 else "skipped: bf16 emulated on this CPU",
-                fmt_ms(r["bf16_s"]) if bf16 else "–",
-                f"{r['bf16_speedup']:.2f}×" if bf16 else "–",
+                f"{fmt_ms(r['bf16_dense_s'])} ({r['bf16_dense_speedup']:.2f}×)" if bf16 else "–",
+                f"{fmt_ms(r['bf16_s'])} ({r['bf16_speedup']:.2f}×)" if bf16 else "–",
                 f"{r['max_abs_diff']:.1e}",
             ]
         )
@@ -139,7 +143,8 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
         "(decoder on the labelled positions only; same loss and gradients). Dropout 0 (parity: loss and "
         f"word-embedding gradient agree with the built-in, worst max abs diff shown). Median of {reps} interleaved "
         "steps after one warm-up step; speed-ups are built-in / ours. bf16: both models' forward and backward under "
-        "`torch.autocast('cpu', dtype=torch.bfloat16)` (fp32 master weights and AdamW), ours with `sparse_prediction`."
+        "`torch.autocast('cpu', dtype=torch.bfloat16)` (fp32 master weights and AdamW), ours dense and with "
+        "`sparse_prediction`, each against the built-in under the same autocast."
     )
     headers = [
         "B×T",
@@ -149,8 +154,8 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
         "ours sparse_prediction ms",
         "speed-up (sparse)",
         "built-in bf16 autocast ms",
-        "ours bf16 autocast (sparse) ms",
-        "speed-up (bf16)",
+        "ours bf16 autocast, dense ms (speed-up)",
+        "ours bf16 autocast, sparse ms (speed-up)",
         "max abs diff (loss, grad)",
     ]
     return [Section("train", "Training step (fp32)", method, headers, rows, plot, {"rows": results})]

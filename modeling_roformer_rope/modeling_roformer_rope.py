@@ -414,9 +414,21 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
         logits = self.lm_head(hidden_states)  # (B, T, V), or (N, V) with sparse_prediction
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self._mlm_loss(logits, labels, **kwargs)
         return MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+    def _mlm_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The loss on the labelled rows only: the same value and gradients as on all rows (an ignored row adds
+        nothing and gets a zero gradient), without the log-softmax over the ~85% ignored rows of (B·T, V)
+        logits, which costs as much as the decoder GEMM itself in a dense-head step."""
+        labels = labels.reshape(-1)  # (B·T,) or (N,)
+        rows = (labels != kwargs.get("ignore_index", -100)).nonzero().squeeze(1)  # (M,)
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (M, V)
+        return self.loss_function(
+            logits=logits, labels=labels.index_select(0, rows), vocab_size=self.config.vocab_size, **kwargs
         )
 
 

@@ -247,6 +247,19 @@ def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _autocast_to_native_bf16(x: torch.Tensor) -> bool:
+    """CPU autocast to bf16 on a CPU with bf16 instructions, eager, oneDNN available."""
+    return (
+        _LINEAR_POINTWISE is not None
+        and x.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and _NATIVE[torch.bfloat16]
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and not tracing()
+    )
+
+
 def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """oneDNN or `F.linear` for this GEMM's shape class, measured once (see `calibration_roformer_rope.py`)."""
     rows = x.numel() // x.shape[-1]
@@ -266,6 +279,12 @@ def linear(
     if x.dtype != torch.float32:
         warn_if_emulated(x)
     if not _onednn_applies(x, weight):
+        if _autocast_to_native_bf16(x):
+            # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
+            # back through the casts in float32), but through the node below: its backward skips zero gradient rows.
+            low = [t if t is None else t.to(torch.bfloat16) for t in (x, weight, bias)]
+            with torch.autocast("cpu", enabled=False):
+                return linear(*low, zero_grad_rows)
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         # Training: always this one autograd node, the kernels chosen inside. The autograd graph must not depend

@@ -123,3 +123,79 @@ def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
     torch.testing.assert_close(ours.lm_head.decoder.bias.grad, builtin.cls.predictions.decoder.bias.grad
                                if builtin.cls.predictions.decoder.bias is not None else builtin.cls.predictions.bias.grad,
                                atol=1e-6, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_items", [None, 7])
+def test_mlm_loss_on_the_labelled_rows_equals_the_loss_on_all_rows(num_items):
+    """The dense head's loss skips the log-softmax of ignored rows: same value and logits gradient as
+    transformers' loss over every row (mean over labelled tokens, or sum / num_items_in_batch)."""
+    from conftest import tiny_config
+
+    import modeling_roformer_rope as rr
+
+    torch.manual_seed(0)
+    model = rr.RoFormerRopeForMaskedLM(tiny_config())
+    logits = torch.randn(2, 9, model.config.vocab_size, requires_grad=True)
+    labels = torch.full((2, 9), -100)
+    labels[0, 2], labels[1, 5], labels[1, 8] = 4, 11, 0
+    kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    ours = model._mlm_loss(logits, labels, **kwargs)
+    (grad_ours,) = torch.autograd.grad(ours, logits)
+    reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                reduction="mean" if num_items is None else "sum")  # fmt: skip
+    reference = reference if num_items is None else reference / num_items
+    (grad_ref,) = torch.autograd.grad(reference, logits)
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_ours, grad_ref, atol=1e-7, rtol=1e-6)
+    assert grad_ours[0, 0].abs().sum() == 0  # an ignored row gets no gradient
+
+
+@needs_onednn
+@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
+def test_bf16_autocast_linear_equals_autocast_f_linear_and_skips_zero_rows(monkeypatch):
+    """Under CPU bf16 autocast the linear runs what autocast would (bf16 inputs, bf16 GEMM and output, float32
+    gradients through the casts), through the node whose backward skips zero gradient rows."""
+    taken = []
+    real = lin._backward_on_nonzero_rows
+    monkeypatch.setattr(lin, "_backward_on_nonzero_rows", lambda *a: taken.append(real(*a)) or taken[-1])
+    torch.manual_seed(0)
+    module = lin.RoFormerRopeLinear(64, 96)
+    module.zero_grad_rows = True
+    x = torch.randn(2, 50, 64, requires_grad=True)
+    grad = torch.zeros(2, 50, 96)
+    grad[0, 3], grad[1, 7] = torch.randn(96), torch.randn(96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x)
+    out.backward(grad)
+    ours = (out, x.grad, module.weight.grad, module.bias.grad)
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, module.weight, module.bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.linear(x2, w2, b2)
+    ref.backward(grad)
+    assert out.dtype == torch.bfloat16 and "OneDNN" in type(out.grad_fn).__name__
+    assert module.weight.grad.dtype == torch.float32 and len(taken) == 1 and taken[0] is not None
+    for got, want in zip(ours, (ref, x2.grad, w2.grad, b2.grad)):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+@needs_onednn
+@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
+def test_bf16_autocast_training_step_matches_the_builtin():
+    """A dense-head MLM step under bf16 autocast: loss and tied-embedding gradient as the built-in's (bf16 noise)."""
+    from conftest import builtin_model, padded_batch
+    from roformer_rope.conversion.from_transformers import convert_model
+
+    builtin = builtin_model("RoFormerForMaskedLM").train()
+    ours = convert_model(builtin).train()
+    batch = padded_batch(seq_len=40)
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, ::7] = batch["input_ids"][:, ::7]
+    losses, grads = [], []
+    for model in (ours, builtin):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.get_input_embeddings().weight.grad)
+    torch.testing.assert_close(losses[0], losses[1], atol=2e-2, rtol=2e-2)
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 3e-2
