@@ -115,7 +115,7 @@ def test_low_precision_inputs_rotate_in_float32(dtype):
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 7 * 4 * 16])
+@pytest.mark.parametrize("chunk", [None, 1, 7 * 2 * 4 * 16])
 @pytest.mark.parametrize("per_batch_positions", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_in_place_rotation_equals_out_of_place(dtype, per_batch_positions, chunk, monkeypatch):
