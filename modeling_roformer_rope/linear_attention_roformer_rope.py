@@ -229,10 +229,24 @@ def _prepare_keys(
     return kf, kr, v, log_scale
 
 
-def _chunks(x: torch.Tensor, start: int, k: int, c: int) -> torch.Tensor:
-    """Tokens start … start + k·c of x (B, H, T, X) as k chunks of c: (B·H·k, c, X), one copy at most."""
+def _block_plan(T: int, C: int, K: int) -> list[tuple[int, int]]:
+    """(k, c) per block: k whole chunks of c = C tokens (at most K), the ragged tail as one chunk of its own."""
+    plan, start = [], 0
+    while start < T:
+        k = min(K, (T - start) // C)
+        plan.append((k, C) if k else (1, T - start))
+        start += plan[-1][0] * plan[-1][1]
+    return plan
+
+
+def _blocks(x: torch.Tensor | None, plan: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+    """x (B, H, T, X) cut along T by `plan`, each block as its k chunks of c: (B·H·k, c, X), one copy at most.
+    One `split` for all blocks: a slice per block would give autograd one full-size (B, H, T, X) gradient
+    buffer per block to fill with zeros in the backward, O(T²/block) in all."""
+    if x is None:
+        return [None] * len(plan)
     B, H, _, X = x.shape
-    return x[:, :, start : start + k * c].reshape(B * H * k, c, X)
+    return [part.reshape(B * H * k, c, X) for part, (k, c) in zip(x.split([k * c for k, c in plan], dim=2), plan)]
 
 
 def _causal_attention(
@@ -276,23 +290,21 @@ def _causal_attention(
     C = max(1, min(chunk_size, T))
     K = max(1, _CAUSAL_BLOCK // C)  # chunks per block
     out = torch.empty(B, T, H, Dv, device=qf.device, dtype=out_dtype)
+    pieces: list[torch.Tensor] = []  # per-block outputs when autograd records (see below)
+    plan = _block_plan(T, C, K)  # blocks of k chunks of c tokens
+    qf_b, kf_b, v_b = _blocks(qf, plan), _blocks(kf, plan), _blocks(v, plan)  # (B·H·k, c, F), (…, F), (…, Dv)
+    qr_b = _blocks(qr, plan) if qr is not qf else qf_b
+    kr_b = _blocks(kr, plan) if kr is not kf else kf_b
+    ls_b = [None] * len(plan) if log_scale is None else log_scale.split([k * c for k, c in plan], dim=2)
     start = 0
-    while start < T:
-        # a block of k chunks of c tokens: all whole chunks of the next K, else the ragged tail as one chunk
-        k = min(K, (T - start) // C)
-        c = C
-        if k == 0:
-            k, c = 1, T - start
+    for (k, c), qf3, kf3, v3, qr3, kr3, ls in zip(plan, qf_b, kf_b, v_b, qr_b, kr_b, ls_b):
         stop = start + k * c
-        qf3, kf3, v3 = (_chunks(x, start, k, c) for x in (qf, kf, v))  # (B·H·k, c, F), (…, F), (…, Dv)
-        qr3 = _chunks(qr, start, k, c) if qr is not qf else qf3
-        kr3 = _chunks(kr, start, k, c) if kr is not kf else kf3
         lower = torch.ones(k, k, dtype=torch.bool, device=qf.device).tril(-1)  # (k, k) chunk i' < chunk i
         if log_scale is None:
             earlier = lower.to(qf.dtype).expand(BH, k, k)  # (B·H, k, k)
             carry = None  # carried sums enter every chunk unscaled
         else:
-            ls = log_scale[:, :, start:stop].reshape(BH, k, c)  # (B·H, k, c)
+            ls = ls.reshape(BH, k, c)  # (B·H, k, c)
             ref = torch.cummax(torch.maximum(ls.detach().amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k)
             weight = torch.exp(ls - ref[..., None]).reshape(BH * k, c, 1)  # ≤ 1: keys at their chunk's reference
             kf3 = kf3 * weight
@@ -321,8 +333,16 @@ def _causal_attention(
         den = scores.sum(dim=-1) + torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
         z = z_prev[:, -1] + z_chunk[:, -1]  # (B·H, F)
 
-        _normalise(num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c), eps, out[:, start:stop])
+        num, den = num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c)
+        if torch.is_grad_enabled() and (num.requires_grad or den.requires_grad):
+            # a block of its own, concatenated below: an in-place write into a slice of `out` would make autograd
+            # copy the gradient of the whole `out` once per block in the backward, O(T²/block) in all
+            pieces.append(_normalise(num, den, eps, out.new_empty(B, k * c, H, Dv)))
+        else:
+            _normalise(num, den, eps, out[:, start:stop])
         start = stop
+    if pieces:
+        out = torch.cat(pieces, dim=1)  # (B, T, H, Dv)
     return out, LinearAttentionState(kv.reshape(B, H, Fd, Dv), z.reshape(B, H, Fd), c_carry.reshape(B, H))
 
 

@@ -129,9 +129,8 @@ def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
 def test_mlm_loss_on_the_labelled_rows_equals_the_loss_on_all_rows(num_items):
     """The dense head's loss skips the log-softmax of ignored rows: same value and logits gradient as
     transformers' loss over every row (mean over labelled tokens, or sum / num_items_in_batch)."""
-    from conftest import tiny_config
-
     import modeling_roformer_rope as rr
+    from conftest import tiny_config
 
     torch.manual_seed(0)
     model = rr.RoFormerRopeForMaskedLM(tiny_config())
