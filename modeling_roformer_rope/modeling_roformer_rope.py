@@ -413,12 +413,13 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
             labels = labels.reshape(-1)[keep]  # (N,)
         logits = self.lm_head(hidden_states)  # (B, T, V), or (N, V) with sparse_prediction
         loss = None
-        if labels is not None:
+        if labels is not None and self.config.sparse_prediction:  # every row already carries a label
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        elif labels is not None:
             loss = self._mlm_loss(logits, labels, **kwargs)
         return MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-
 
     def _mlm_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
         """The loss on the labelled rows only: the same value and gradients as on all rows (an ignored row adds
