@@ -1,6 +1,6 @@
 """Kernel rates behind the floor and bf16 numbers, measured in isolation (interleaved, medians).
 
-    python bench/experiments.py --layers 4 --reps 5 [--only gemm_rate,attention_rate,onednn_linear]
+    python bench/experiments.py --layers 4 --reps 5 [--only gemm_rate,attention_rate,onednn_linear,packed_gemm]
         [--shapes 1x128,8x128,4x512,1x4096]
 
 Experiments
@@ -8,6 +8,9 @@ Experiments
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32) vs bf16, at the
   encoder's four GEMM shapes.
+- packed_gemm: float32 GEMM rate vs row count at the encoder's four shapes: `F.linear`, oneDNN, oneDNN with a
+  pre-packed weight, and MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what the model packs at inference on
+  short inputs: `modeling_roformer_rope/prepack_roformer_rope.py`).
 - onednn_linear: the whole forward with every nn.Linear routed through oneDNN pre-packed weights (a
   monkeypatch of a copy of our model; private `torch.ops.mkldnn` ops, as inductor uses them) and, the public
   route, with every nn.Linear swapped for `torch.utils.mkldnn.MkldnnLinear`; vs ours and the built-in,
@@ -26,7 +29,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from common import check_parity, interleaved, make_pair, random_batch
+from common import check_parity, interleaved, machine, make_pair, random_batch
 
 
 def gemm_rate(reps: int, tokens: int = 2048) -> None:
@@ -50,6 +53,32 @@ def gemm_rate(reps: int, tokens: int = 2048) -> None:
             f"{rate['fp32_onednn']:.0f}, bf16 F.linear {rate['bf16']:.0f}",
             flush=True,
         )
+
+
+def _float32_routes(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor) -> dict:
+    """Callables running x through every weight by each float32 GEMM route (packs made here, untimed)."""
+    rows, linear = x.shape[0], torch.ops.mkldnn._linear_pointwise
+    dnn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+    return {
+        "F.linear": lambda: [F.linear(x, w, bias) for w in weights],
+        "oneDNN": lambda: [linear(x, w, bias, "none", [], "") for w in weights],
+        "oneDNN packed": lambda: [linear(x, p, bias, "none", [], "") for p in dnn],
+        "MKL packed": lambda: [torch.ops.mkl._mkl_linear(x, p, w, bias, rows) for p, w in zip(mkl, weights)],
+    }
+
+
+def packed_gemm(reps: int, rows_list=(128, 256, 1024, 4096)) -> None:
+    """GFLOP/s of each float32 GEMM route per row count (8 distinct weights per call, as layers follow each other)."""
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| rows | in→out | F.linear | oneDNN | oneDNN packed | MKL packed |\n|---|---|---|---|---|---|")
+    for rows in rows_list:
+        for k, n in ((768, 2304), (768, 768), (768, 3072), (3072, 768)):
+            routes = _float32_routes(torch.randn(rows, k), [torch.randn(n, k) * 0.02 for _ in range(8)], torch.zeros(n))
+            with torch.no_grad():
+                t = interleaved(routes, reps=reps)
+            rate = {name: 8 * 2.0 * rows * k * n / t.median(name) / 1e9 for name in t.times}
+            print(f"| {rows} | {k}→{n} | " + " | ".join(f"{rate[name]:.0f}" for name in t.times) + " |", flush=True)
 
 
 def onednn_packed_linear(model: torch.nn.Module) -> torch.nn.Module:
@@ -156,6 +185,8 @@ def main() -> None:
     for name in args.only.split(","):
         if name == "onednn_linear":
             onednn_experiment(args.layers, args.reps, shapes)
+        elif name == "packed_gemm":
+            packed_gemm(args.reps)
         elif name == "gemm_rate":
             gemm_rate(args.reps)
         elif name == "attention_rate":

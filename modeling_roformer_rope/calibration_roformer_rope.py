@@ -9,7 +9,8 @@ sizes and a row bucket; the attention's dtype and key-length bucket), so a model
 them, each in a few milliseconds.
 
 Visible: every decision is logged at DEBUG ("roformer_rope dispatch: ...") and listed by `decisions()`
-(the benchmarks print them). Overridable: `ROFORMER_ROPE_ONEDNN=0|1` / `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1`
+(the benchmarks print them). Overridable: `ROFORMER_ROPE_ONEDNN=0|1` / `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1` /
+`ROFORMER_ROPE_PACK=0|1`
 force a path off or on (unset or `auto`: measure), and `force(...)` does the same in-process (tests run
 every path this way).
 """
@@ -28,7 +29,8 @@ _forced: dict[str, str | None] = {}
 
 
 def force(kind: str, path: str | None) -> None:
-    """Force the `kind` decision ("linear", "linear_backward", "linear_gelu", "attention") to `path`; None = measure again."""
+    """Force the `kind` decision ("linear", "linear_backward", "linear_gelu", "linear_packed", "attention") to `path`;
+    None = measure again."""
     _forced[kind] = path
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]

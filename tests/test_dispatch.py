@@ -23,7 +23,7 @@ def forced():
             calibration.force(kind, path)
 
     yield force
-    for kind in ("linear", "linear_backward", "linear_gelu", "attention"):
+    for kind in ("linear", "linear_backward", "linear_gelu", "linear_packed", "attention"):
         calibration.force(kind, None)
 
 
@@ -65,10 +65,13 @@ def test_choices_are_measured_once_and_logged(caplog):
         first = layer(x)
         layer(x)
         layer(torch.randn(310, 48))  # same shape class: no new measurement
-    made = calibration.decisions()
-    assert len(made) == 1 and made[0]["class"] == ["linear", "torch.float32", 48, 40, 1024]
-    assert made[0]["choice"] in ("onednn", "torch") and set(made[0]["ms"]) == {"onednn", "torch"}
-    assert len([r for r in caplog.records if "roformer_rope dispatch" in r.getMessage()]) == 1
+    made = {tuple(d["class"]): d for d in calibration.decisions()}
+    gemm, packing = ("linear", "torch.float32", 48, 40, 1024), ("linear_packed", "torch.float32", 48, 40, 1024)
+    assert set(made) == ({gemm, packing} if fast._packing_applies(x, layer.weight) else {gemm})
+    assert made[gemm]["choice"] in ("onednn", "torch") and set(made[gemm]["ms"]) == {"onednn", "torch"}
+    if packing in made:
+        assert made[packing]["choice"] in ("packed", "unpacked") and set(made[packing]["ms"]) == {"packed", "unpacked"}
+    assert len([r for r in caplog.records if "roformer_rope dispatch" in r.getMessage()]) == len(made)
     torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
