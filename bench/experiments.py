@@ -11,6 +11,8 @@ Experiments
 - packed_gemm: float32 GEMM rate vs row count at the encoder's four shapes: `F.linear`, oneDNN, oneDNN with a
   pre-packed weight, and MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what the model packs at inference on
   short inputs: `modeling_roformer_rope/prepack_roformer_rope.py`).
+- packing: the whole forward with packed weights forced on vs off, vs the built-in (use `--shapes 1x128,8x128`:
+  packing applies up to 1024 rows).
 - onednn_linear: the whole forward with every nn.Linear routed through oneDNN pre-packed weights (a
   monkeypatch of a copy of our model; private `torch.ops.mkldnn` ops, as inductor uses them) and, the public
   route, with every nn.Linear swapped for `torch.utils.mkldnn.MkldnnLinear`; vs ours and the built-in,
@@ -30,6 +32,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from common import check_parity, interleaved, machine, make_pair, random_batch
+
+from modeling_roformer_rope import calibration_roformer_rope as calibration
 
 
 def gemm_rate(reps: int, tokens: int = 2048) -> None:
@@ -147,6 +151,45 @@ def onednn_experiment(layers: int, reps: int, shapes) -> None:
         )
 
 
+def _with_packing(path: str, model: torch.nn.Module, inputs: dict):
+    """A forward of `model` with the packed-weight decision forced to `path` ("packed" or "unpacked")."""
+
+    def run():
+        calibration.force("linear_packed", path)
+        return model(**inputs)
+
+    return run
+
+
+def packing_experiment(layers: int, reps: int, shapes) -> None:
+    """Forward: built-in vs ours with packed weights forced on vs off (same model, same process, interleaved)."""
+    builtin, ours = make_pair(layers, 8192)
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| B×T | built-in ms | ours unpacked ms | ours packed ms | built-in / unpacked | built-in / packed |")
+    print("|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        inputs = random_batch(batch, length)
+        for path in ("packed", "unpacked"):
+            calibration.force("linear_packed", path)
+            check_parity(builtin, ours, inputs)
+        with torch.no_grad():
+            t = interleaved(
+                {
+                    "builtin": partial(builtin, **inputs),
+                    "unpacked": _with_packing("unpacked", ours, inputs),
+                    "packed": _with_packing("packed", ours, inputs),
+                },
+                reps=reps,
+                warmup=2,  # a weight is packed on its second call at a row count
+            )
+        print(
+            f"| {batch}×{length} | {t.ms('builtin'):.1f} | {t.ms('unpacked'):.1f} | {t.ms('packed'):.1f} | "
+            f"{t.ratio('builtin', 'unpacked'):.2f}× | {t.ratio('builtin', 'packed'):.2f}× |",
+            flush=True,
+        )
+    calibration.force("linear_packed", None)
+
+
 def attention_rate(reps: int, shapes) -> None:
     """SDPA flash (CPU) vs GEMMs of identical FLOPs, per layer's attention at base width."""
     for batch, length in shapes:
@@ -185,6 +228,8 @@ def main() -> None:
     for name in args.only.split(","):
         if name == "onednn_linear":
             onednn_experiment(args.layers, args.reps, shapes)
+        elif name == "packing":
+            packing_experiment(args.layers, args.reps, shapes)
         elif name == "packed_gemm":
             packed_gemm(args.reps)
         elif name == "gemm_rate":

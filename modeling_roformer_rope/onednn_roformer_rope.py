@@ -42,7 +42,7 @@ from transformers.activations import GELUActivation
 
 from .calibration_roformer_rope import choose, force, row_bucket
 from .prepack_roformer_rope import available as packing_available
-from .prepack_roformer_rope import packed_linear, proxy_gemm
+from .prepack_roformer_rope import forget, packed_linear, proxy_gemm
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -342,6 +342,8 @@ def linear(
     grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+    if grad:
+        forget(weight)  # an inference pack of this weight is about to go stale: free it now
     if not _onednn_applies(x, weight) and (grad or not _packing_applies(x, weight)):
         if _autocast_to_native_bf16(x):
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow

@@ -12,7 +12,8 @@ The op's terms: a pack is made for one row count M, and `_mkl_linear` uses it on
 This file is the mechanism; when to pack (measured per shape class, inference only) is `onednn_roformer_rope.linear`.
 - At most one pack per weight. It is made on the second of two calls in a row with the same row count and the same
   weight (a stream of varying lengths never packs); a later row count that repeats replaces it.
-- Held weakly, keyed by the weight tensor itself: freed with it, invisible to `state_dict`, `copy` and `pickle`.
+- Held weakly, keyed by the weight tensor itself: freed with it, invisible to `state_dict`, `copy` and `pickle`;
+  dropped when the weight runs with autograd (training is about to change it).
 - Dropped when the weight changes: in place (its version counter), new storage (its data pointer), or a write
   through `.data`, which the version counter does not see: a fixed sample of the weight's elements is compared on
   every use, which whole-tensor writes (`copy_`, `mul_`, `normal_`, an optimizer step) cannot get past. A write to
@@ -94,6 +95,13 @@ def packed_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return _OPS[1](x2d, pack.packed, weight, bias, rows)  # (N, O)
 
 
+def forget(weight: torch.Tensor) -> None:
+    """Drop `weight`'s pack (a training step is about to change the weight: don't hold ~2.2× its memory meanwhile)."""
+    if _packs:
+        _packs.pop(weight, None)
+        _previous.pop(weight, None)
+
+
 def pack_rows(weight: torch.Tensor) -> int | None:
     """The row count `weight` is packed for, or None (tests and debugging)."""
     pack = _packs.get(weight)
@@ -113,4 +121,4 @@ def proxy_gemm(proxy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return run
 
 
-__all__ = ["available", "pack_rows", "packed_linear", "proxy_gemm"]
+__all__ = ["available", "forget", "pack_rows", "packed_linear", "proxy_gemm"]

@@ -76,13 +76,19 @@ def test_a_changed_weight_is_never_computed_from_a_stale_pack(packing, change):
     assert prepack.pack_rows(layer.weight) == 16 and len(packing) == 3
 
 
-def test_training_and_autocast_never_use_the_packed_gemm(packing):
+def test_training_frees_packs_and_neither_training_nor_autocast_uses_them(packing):
     torch.manual_seed(0)
     layer = fast.RoFormerRopeLinear(48, 40)
     x = torch.randn(16, 48, requires_grad=True)
     for _ in range(2):
         y = layer(x)
     y.sum().backward()
+    with torch.no_grad():
+        layer(x), layer(x)
+    assert packing == [16] and prepack.pack_rows(layer.weight) == 16
+    layer(x)  # with autograd: the pack is dropped (training would make it stale)
+    assert prepack.pack_rows(layer.weight) is None
+    packing.clear()
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(16, 48), atol=1e-5, rtol=1e-5)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         layer(x), layer(x)
