@@ -283,14 +283,19 @@ PACK_MAX_ROWS = 1024
 
 
 def _packing_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Float32 CPU inference on ≤ PACK_MAX_ROWS rows, eager, MKL's packed GEMM available and not switched off."""
+    """Float32 CPU inference on ≤ PACK_MAX_ROWS rows, eager, MKL's packed GEMM available and not switched off.
+    Not for DeepSpeed ZeRO-3 parameters (`ds_id`): a pack per gathered layer would undo the partitioning."""
     return (
         settings.pack != "off"
         and packing_available()
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]  # else F.linear raises its shape error (MKL's packed GEMM would not)
+        and weight.is_contiguous()
         and 0 < x.numel() <= PACK_MAX_ROWS * x.shape[-1]
+        and not hasattr(weight, "ds_id")
         and not torch.is_autocast_enabled("cpu")
         and not tracing()
     )
@@ -314,6 +319,9 @@ def _packed_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _inference_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class."""
     gemm = _unpacked_gemm(x2d, weight, bias)
+    if gemm is F.linear and not _packing_applies(x2d, weight):
+        return F.linear(x2d, weight, bias)  # reads strided inputs as they are
+    x2d = x2d.contiguous()
     if _packing_applies(x2d, weight) and _packed_choice(x2d, weight, bias, gemm) == "packed":
         y = packed_linear(x2d, weight, bias)  # None until the weight has run twice at N rows
         if y is not None:
@@ -342,8 +350,8 @@ def linear(
     grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if grad:
-        forget(weight)  # an inference pack of this weight is about to go stale: free it now
+    if grad and weight.requires_grad and not tracing():
+        forget(weight)  # training is about to change the weight: free its inference pack now
     if not _onednn_applies(x, weight) and (grad or not _packing_applies(x, weight)):
         if _autocast_to_native_bf16(x):
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
@@ -358,8 +366,7 @@ def linear(
         # DDP bucket their reductions by, and two ranks that measured differently would exchange buckets of
         # different sizes (gloo aborts: "Received data size doesn't match expected size").
         return _OneDNNLinear.apply(x, weight, bias, zero_grad_rows)
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
-    return _inference_linear(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])  # (..., O)
+    return _inference_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])  # (..., O)
 
 
 class RoFormerRopeLinear(nn.Linear):
@@ -434,10 +441,12 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
     def fused():
         _LINEAR_POINTWISE(proxy, weight, bias, "gelu", [], "none")
 
-    gemm = _proxy_gemm(x2d, weight, bias)
+    gemm = []  # the GEMM `separate` stands for, looked up once, only if timed
 
     def separate():
-        torch.ops.aten.gelu_(gemm())
+        if not gemm:
+            gemm.append(_proxy_gemm(x2d, weight, bias))
+        torch.ops.aten.gelu_(gemm[0]())
 
     return choose(key, {"fused": fused, "separate": separate})
 

@@ -50,7 +50,7 @@ _OPS = _mkl_ops()
 class _Pack:
     __slots__ = ("rows", "state", "sample", "packed")
 
-    def __init__(self, weight: torch.Tensor, rows: int, state: tuple[int, int]):
+    def __init__(self, weight: torch.Tensor, rows: int, state: tuple):
         self.rows, self.state = rows, state
         self.sample = _sample(weight).clone()
         self.packed = _OPS[0](weight, rows)  # MKL's layout of weightᵀ for rows × I inputs (an opaque mkldnn tensor)
@@ -69,8 +69,8 @@ def _sample(weight: torch.Tensor) -> torch.Tensor:
     return flat[:: max(1, flat.numel() // _SAMPLES)]  # (≈ 61,) strided view
 
 
-def _state(weight: torch.Tensor) -> tuple[int, int]:
-    return weight._version, weight.data_ptr()
+def _state(weight: torch.Tensor) -> tuple:
+    return weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride()
 
 
 def packed_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -83,7 +83,7 @@ def packed_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows, state = x2d.shape[0], _state(weight)
     pack = _packs.get(key)
     if pack is not None and (pack.state != state or not torch.equal(_sample(weight), pack.sample)):
-        del _packs[key]  # the weight changed (in place, new storage, or through `.data`): free the stale pack now
+        _packs.pop(key, None)  # the weight changed (in place, new storage, or through `.data`): free the stale pack now
         _previous.pop(key, None)
         pack = None
     if pack is None or pack.rows != rows:
@@ -115,8 +115,10 @@ def proxy_gemm(proxy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
     def run() -> torch.Tensor:
         if not made:
-            made.append(_OPS[0](weight, rows))
-        return _OPS[1](proxy, made[0], weight, bias, rows)  # (R, O)
+            made.append((_OPS[0](weight, rows), _sample(weight).clone()))
+        packed, sample = made[0]
+        _state(weight), torch.equal(_sample(weight), sample)  # the checks `packed_linear` makes on each call, timed too
+        return _OPS[1](proxy, packed, weight, bias, rows)  # (R, O)
 
     return run
 
