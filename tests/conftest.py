@@ -1,5 +1,9 @@
 """Shared fixtures: tiny configs and randomised built-in RoFormer models (the independent oracle)."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers
@@ -59,3 +63,11 @@ def padded_batch(vocab_size: int = 99, batch: int = 2, seq_len: int = 12, seed: 
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def probe_json(code: str, **env: str) -> dict:
+    """Run `code` in a fresh interpreter whose environment is only `env` (the payload reads its switches at
+    import); its last line of output is JSON, returned parsed."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "PATH": ""})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,14 +1,11 @@
 """The measured dispatch: every path it can choose gives the built-in's numbers, choices are visible and overridable."""
 
-import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import builtin_model, padded_batch
+from conftest import builtin_model, padded_batch, probe_json
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import onednn_roformer_rope as fast
 from roformer_rope.conversion.from_transformers import convert_model
@@ -84,10 +81,7 @@ def test_environment_forces_or_measures(value, expected):
         "l = f.RoFormerRopeLinear(16, 8); x = torch.randn(4, 16, requires_grad=True); y = l(x)\n"
         "print(json.dumps({'fn': type(y.grad_fn).__name__, 'n': len(c.decisions())}))"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            env={"ROFORMER_ROPE_ONEDNN": value, "PATH": ""})  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = probe_json(probe, ROFORMER_ROPE_ONEDNN=value)
     if expected == "torch":
         assert out == {"fn": "AddmmBackward0", "n": 0}
     elif expected == "onednn":

@@ -2,16 +2,13 @@
 
 import copy
 import gc
-import json
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from conftest import builtin_model, padded_batch
+from conftest import builtin_model, padded_batch, probe_json
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import onednn_roformer_rope as fast
 from modeling_roformer_rope import prepack_roformer_rope as prepack
@@ -162,10 +159,7 @@ def test_environment_switches_packing(value, expected):
         "d = [x['class'][0] for x in c.decisions()]\n"
         "print(json.dumps({'ok': ok, 'packed': p.pack_rows(l.weight), 'measured': 'linear_packed' in d}))"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            env={"ROFORMER_ROPE_PACK": value, "PATH": ""})  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = probe_json(probe, ROFORMER_ROPE_PACK=value)
     assert out["ok"]
     if expected == "off":
         assert out == {"ok": True, "packed": None, "measured": False}
