@@ -2,7 +2,7 @@
 
     python bench/profile_forward.py --layers 4 --shapes 4x512,1x4096 [--train] [--dtype bfloat16] [--builtin]
 
-Categories: GEMM (linear layers), attention (SDPA or our oneDNN kernel), rotary (`apply_rotary` and the cos/sin
+Categories: GEMM (linear layers), weight packing (once per weight and row count, `prepack_roformer_rope.py`), attention (SDPA or our oneDNN kernel), rotary (`apply_rotary` and the cos/sin
 tables), mask building, norms, activation (GELU), residual adds / dropout, embeddings, other.
 Labels come from `record_function` scopes wrapped around our functions for this run only (a monkeypatch
 of the imported names; the model code is unchanged), then from the aten op name. Prints one markdown
@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import modeling_roformer_rope.attention_roformer_rope as attention
 
 OPS = {
-    "GEMM": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "mkldnn::"),
+    "weight packing": ("mkl::_mkl_reorder_linear_weight", "mkldnn::_reorder_linear_weight"),
+    "GEMM": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "mkldnn::", "mkl::"),
     "norms": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
     "activation": ("aten::gelu", "aten::gelu_backward"),
     "embeddings": ("aten::embedding", "aten::index_select", "aten::embedding_dense_backward", "aten::index_add_"),
@@ -81,6 +82,7 @@ def profile_once(model, inputs: dict, train: bool, bf16: bool = False) -> tuple[
                 model(**inputs)
 
     step()  # warm-up
+    step()  # a second call at the same shape packs the weights where packing applies: profile the steady state
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     totals = categorise(prof.events())
