@@ -311,31 +311,32 @@ def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _packed_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm) -> str:
     """ "packed" (MKL's GEMM on a weight packed once, `prepack_roformer_rope.py`) or "unpacked" (`gemm`), measured."""
     key = ("linear_packed", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
-    proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
+    proxy = x2d[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
     w, b = weight.detach(), None if bias is None else bias.detach()
     return choose(key, {"packed": proxy_gemm(proxy, w, b), "unpacked": lambda: gemm(proxy, w, b)})
 
 
+def _inference_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(the faster unpacked GEMM, whether the packed one beats it) for x2d's shape class, each measured once."""
+    gemm = _unpacked_gemm(x2d, weight, bias)
+    return gemm, _packing_applies(x2d, weight) and _packed_choice(x2d, weight, bias, gemm) == "packed"
+
+
 def _inference_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class."""
-    gemm = _unpacked_gemm(x2d, weight, bias)
-    if gemm is F.linear and not _packing_applies(x2d, weight):
-        return F.linear(x2d, weight, bias)  # reads strided inputs as they are
-    x2d = x2d.contiguous()
-    if _packing_applies(x2d, weight) and _packed_choice(x2d, weight, bias, gemm) == "packed":
-        y = packed_linear(x2d, weight, bias)  # None until the weight has run twice at N rows
+    gemm, packed = _inference_choice(x2d, weight, bias)
+    if packed:
+        y = packed_linear(x2d.contiguous(), weight, bias)  # None until the weight has run twice at N rows
         if y is not None:
             return y
-    return gemm(x2d, weight, bias)
+    return gemm(x2d if gemm is F.linear else x2d.contiguous(), weight, bias)  # F.linear reads strided inputs as is
 
 
 def _proxy_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """A callable running on x2d's first rows the GEMM `_inference_linear` would choose for x2d's shape class."""
     proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
-    gemm = _unpacked_gemm(x2d, weight, bias)
-    if _packing_applies(x2d, weight) and _packed_choice(x2d, weight, bias, gemm) == "packed":
-        return proxy_gemm(proxy, weight, bias)
-    return lambda: gemm(proxy, weight, bias)
+    gemm, packed = _inference_choice(x2d, weight, bias)
+    return proxy_gemm(proxy, weight, bias) if packed else lambda: gemm(proxy, weight, bias)
 
 
 def linear(
