@@ -20,7 +20,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention
-from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward
+from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward, sdpa_layout
 from .onednn_roformer_rope import RoFormerRopeLinear, rotate_qkv
 
 
@@ -75,9 +75,12 @@ def sdpa_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there)."""
+    """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there), or
+    on SDPA with compact keys and values where that measures faster (`sdpa_layout`)."""
     if onednn_attention_applies(query, key, attention_mask, dropout, value):
         return onednn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    if sdpa_layout(query, key, value) == "contiguous":
+        key, value = key.contiguous(), value.contiguous()  # (B, H, S, D) each
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
 

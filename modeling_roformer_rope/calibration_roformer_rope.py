@@ -10,12 +10,13 @@ them, each in a few milliseconds.
 
 Visible: every decision is logged at DEBUG ("roformer_rope dispatch: ...") and listed by `decisions()`
 (the benchmarks print them). Overridable: `ROFORMER_ROPE_ONEDNN=0|1` / `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1` /
-`ROFORMER_ROPE_PACK=0|1`
-force a path off or on (unset or `auto`: measure), and `force(...)` does the same in-process (tests run
-every path this way).
+`ROFORMER_ROPE_PACK=0|1` force a path off or on (unset or `auto`: measure); `ROFORMER_ROPE_FORCE=kind=path,...`
+(e.g. `sdpa_layout=strided,linear=torch`) fixes any decision, and `force(...)` does the same in-process (tests
+run every path this way).
 """
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -26,11 +27,28 @@ logger = logging.getLogger(__name__)
 _choices: dict[tuple, str] = {}
 _timings: dict[tuple, dict[str, float]] = {}
 _forced: dict[str, str | None] = {}
+KINDS = ("linear", "linear_backward", "linear_gelu", "linear_packed", "attention", "sdpa_layout")
+
+
+def _forced_by_environment(raw: str) -> dict[str, str]:
+    """`ROFORMER_ROPE_FORCE`: comma-separated kind=path; a malformed entry is ignored with a warning."""
+    paths = {}
+    for entry in filter(None, (part.strip() for part in raw.split(","))):
+        kind, _, path = (part.strip() for part in entry.partition("="))
+        if kind in KINDS and path:
+            paths[kind] = path
+        else:
+            logger.warning("ignoring ROFORMER_ROPE_FORCE entry %r: expected kind=path with kind one of %s", entry, KINDS)
+    return paths
+
+
+_forced.update(_forced_by_environment(os.environ.get("ROFORMER_ROPE_FORCE", "")))
 
 
 def force(kind: str, path: str | None) -> None:
-    """Force the `kind` decision ("linear", "linear_backward", "linear_gelu", "linear_packed", "attention") to `path`;
-    None = measure again."""
+    """Force the `kind` decision (one of KINDS) to `path`; None = measure again."""
+    if kind not in KINDS:
+        raise ValueError(f"roformer_rope dispatch: unknown decision kind {kind!r}; expected one of {KINDS}")
     _forced[kind] = path
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]
@@ -45,13 +63,28 @@ def reset() -> None:
     _timings.clear()
 
 
-def _time(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()  # warm-up: first-call allocations, oneDNN primitive creation
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+ROUNDS = 5  # timed rounds per decision, after one untimed warm-up call of each candidate
+
+
+def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
+    """Best time (s) of each candidate over ROUNDS rounds that run every candidate once, in turn.
+
+    Interleaving puts the candidates under the same conditions (a first forward also faults in fresh memory and
+    wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
+    on Sapphire Rapids between GEMMs 6-18% apart); the best of the rounds drops the interruptions."""
+    alive = {}
+    for name, fn in candidates.items():
+        try:
+            fn()  # warm-up: first-call allocations, oneDNN primitive creation
+            alive[name] = fn
+        except RuntimeError as error:  # e.g. oneDNN has no bf16 kernel for a CPU without bf16 instructions
+            logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
+    best = dict.fromkeys(alive, float("inf"))
+    for _ in range(ROUNDS):
+        for name, fn in alive.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -59,16 +92,13 @@ def choose(key: tuple, candidates: dict[str, Callable[[], object]]) -> str:
     """The fastest candidate for `key` (measured on first use, then cached). key[0] names the decision kind."""
     path = forced(key[0])
     if path is not None:
+        if path not in candidates:
+            raise ValueError(f"roformer_rope dispatch: {key[0]} forced to {path!r}; the paths are {sorted(candidates)}")
         return path
     choice = _choices.get(key)
     if choice is None:
-        times = {}
         with torch.no_grad():
-            for name, fn in candidates.items():
-                try:
-                    times[name] = _time(fn)
-                except RuntimeError as error:  # e.g. oneDNN has no bf16 kernel for a CPU without bf16 instructions
-                    logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
+            times = _time_interleaved(candidates, key)
         if not times:
             raise RuntimeError(f"roformer_rope dispatch: no candidate runs for {key}")
         choice = min(times, key=times.get)
@@ -106,4 +136,4 @@ def length_bucket(length: int) -> int:
     return bucket
 
 
-__all__ = ["choose", "decisions", "force", "forced", "length_bucket", "reset", "row_bucket"]
+__all__ = ["KINDS", "choose", "decisions", "force", "forced", "length_bucket", "reset", "row_bucket"]

@@ -79,6 +79,35 @@ def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | N
     return choose(shape_class, {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)})
 
 
+def sdpa_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """"contiguous" when SDPA should get compact copies of keys and values, else "strided" (the views as given).
+
+    Keys and values come as views into the fused projection, one row every 3·H·D elements; CPU SDPA's float32
+    kernel read them ~8% slower than compact (B, H, S, D) copies at 1536-4096 keys on Sapphire Rapids, copies
+    included, and bf16 lost as much at 512. So it is measured per (dtype, key-length bucket) on one head, the
+    proxy paying its share of the copy (the rows its ≤ 256 queries stand for), at CPU inference from MIN_KEYS."""
+    if (
+        tracing()
+        or query.device.type != "cpu"
+        or key.shape[2] < MIN_KEYS
+        or query.shape[2] == 1
+        or (key.is_contiguous() and value.is_contiguous())
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+    ):
+        return "strided"
+    q, k, v = (t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
+    compact_k, compact_v = k.contiguous(), v.contiguous()  # (1, 1, S, D)
+    share = max(1, key.shape[2] * q.shape[2] // query.shape[2])  # copied rows the proxy's queries stand for
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def contiguous():
+        k[:, :, :share].contiguous(), v[:, :, :share].contiguous()
+        sdpa(q, compact_k, compact_v)
+
+    shape_class = ("sdpa_layout", str(query.dtype), length_bucket(key.shape[2]))
+    return choose(shape_class, {"strided": lambda: sdpa(q, k, v), "contiguous": contiguous})
+
+
 def _masked_scores(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal_start: int | None
 ) -> torch.Tensor:
@@ -200,4 +229,4 @@ def onednn_attention_forward(
     return onednn_attention(query, key, value, attention_mask, scaling, is_causal), None
 
 
-__all__ = ["onednn_attention", "onednn_attention_applies", "onednn_attention_forward"]
+__all__ = ["onednn_attention", "onednn_attention_applies", "onednn_attention_forward", "sdpa_layout"]

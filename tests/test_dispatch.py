@@ -4,9 +4,11 @@ import logging
 
 import pytest
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from conftest import builtin_model, padded_batch, probe_json
 from modeling_roformer_rope import calibration_roformer_rope as calibration
+from modeling_roformer_rope import onednn_attention_roformer_rope as oa
 from modeling_roformer_rope import onednn_roformer_rope as fast
 from roformer_rope.conversion.from_transformers import convert_model
 
@@ -20,7 +22,7 @@ def forced():
             calibration.force(kind, path)
 
     yield force
-    for kind in ("linear", "linear_backward", "linear_gelu", "linear_packed", "attention"):
+    for kind in calibration.KINDS:
         calibration.force(kind, None)
 
 
@@ -170,3 +172,67 @@ def test_gelu_in_the_gemm_epilogue_only_where_nothing_can_see_the_gemm_output(fo
         torch.testing.assert_close(got.float(), expected, **tolerance)
     torch.testing.assert_close(seen[0].float(), pre_gelu, **tolerance)  # the hook saw the GEMM output
     torch.testing.assert_close(approximate.float(), ACT2FN["gelu_new"](pre_gelu), **tolerance)
+
+
+def _fused_views(B: int, T: int, H: int = 2, D: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model hands them to SDPA: (B, H, T, D) views into one (B, T, 3, H, D) projection."""
+    qkv = torch.randn(B, T, 3, H, D)
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
+def test_sdpa_layout_is_measured_only_at_long_cpu_inference(forced):
+    calibration.reset()
+    q, k, v = _fused_views(1, 600)
+    with torch.no_grad():
+        assert oa.sdpa_layout(q[:, :, :1], k, v) == "strided"  # one-token decode step
+        assert oa.sdpa_layout(*_fused_views(1, 100)) == "strided"  # below MIN_KEYS
+        assert oa.sdpa_layout(q, k.contiguous(), v.contiguous()) == "strided"  # nothing to compact
+        assert calibration.decisions() == []
+        choice = oa.sdpa_layout(q, k, v)
+    assert oa.sdpa_layout(q.requires_grad_(), k, v) == "strided"  # training: SDPA's backward sees the views
+    made = calibration.decisions()
+    assert [d["class"] for d in made] == [["sdpa_layout", "torch.float32", 1024]]
+    assert made[0]["choice"] == choice and set(made[0]["ms"]) == {"strided", "contiguous"}
+
+
+@pytest.mark.parametrize("layout", ["strided", "contiguous"])
+def test_each_sdpa_layout_equals_the_builtin(forced, monkeypatch, layout):
+    """The model at 400 tokens (≥ MIN_KEYS) on SDPA: keys/values reach it compact or as views, as forced."""
+    forced(attention="sdpa", sdpa_layout=layout)
+    seen = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append(key.is_contiguous() and value.is_contiguous())
+        return sdpa(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spy)
+    builtin = builtin_model("RoFormerForMaskedLM", max_position_embeddings=512)
+    ours = convert_model(builtin).eval()
+    batch = padded_batch(seq_len=400)
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        got, expected = ours(**batch).logits[valid], builtin(**batch).logits[valid]
+    assert seen and all(compact == (layout == "contiguous") for compact in seen)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_forced_path_must_exist(forced):
+    forced(sdpa_layout="dense")
+    q, k, v = _fused_views(1, 600)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"sdpa_layout forced to 'dense'; the paths are \['contiguous', 'strided'\]"):
+        oa.sdpa_layout(q, k, v)
+    with pytest.raises(ValueError, match="unknown decision kind 'layout'"):
+        calibration.force("layout", "strided")
+
+
+def test_environment_fixes_any_decision():
+    probe = (
+        "import json, torch; from modeling_roformer_rope import onednn_attention_roformer_rope as oa\n"
+        "from modeling_roformer_rope import calibration_roformer_rope as c\n"
+        "qkv = torch.randn(1, 600, 3, 2, 16); q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))\n"
+        "with torch.no_grad(): layout = oa.sdpa_layout(q, k, v)\n"
+        "print(json.dumps({'layout': layout, 'n': len(c.decisions()), 'forced': c.forced('linear')}))"
+    )
+    out = probe_json(probe, ROFORMER_ROPE_FORCE=" sdpa_layout=contiguous, linear=torch,bogus, =x")
+    assert out == {"layout": "contiguous", "n": 0, "forced": "torch"}
