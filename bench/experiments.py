@@ -13,6 +13,8 @@ Experiments
   short inputs: `modeling_roformer_rope/prepack_roformer_rope.py`).
 - packing: the whole forward with packed weights forced on vs off, vs the built-in (use `--shapes 1x128,8x128`:
   packing applies up to 1024 rows).
+- linear_paths: the whole forward with every linear decision forced to oneDNN, forced to `F.linear`, and
+  measured (what the calibration chose in this process), vs the built-in; `--dtype bfloat16` for bf16 models.
 - onednn_linear: the whole forward with every nn.Linear routed through oneDNN pre-packed weights (a
   monkeypatch of a copy of our model; private `torch.ops.mkldnn` ops, as inductor uses them) and, the public
   route, with every nn.Linear swapped for `torch.utils.mkldnn.MkldnnLinear`; vs ours and the built-in,
@@ -190,11 +192,47 @@ def packing_experiment(layers: int, reps: int, shapes) -> None:
     calibration.force("linear_packed", None)
 
 
+def linear_paths(layers: int, reps: int, shapes, dtype: torch.dtype) -> None:
+    """Forward with the linear GEMMs forced to each path vs as measured, vs the built-in (same weights, interleaved)."""
+    builtin, ours = (m.to(dtype) for m in make_pair(layers, 8192))
+
+    def forward(path: str | None, inputs: dict):
+        def run():
+            # Not `force`: that would also drop the measured choices, and "measured" would time its calibration.
+            calibration._forced["linear"] = path
+            return ours(**inputs)
+
+        return run
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {dtype}, {layers} layers")
+    print("| B×T | built-in ms | all oneDNN ms | all `F.linear` ms | measured ms | measured choices |")
+    print("|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        inputs = random_batch(batch, length)
+        with torch.no_grad():
+            forward(None, inputs)()
+            choices = [d["choice"] for d in calibration.decisions() if d["class"][0] == "linear"]
+            t = interleaved(
+                {"builtin": partial(builtin, **inputs)}
+                | {path or "measured": forward(path, inputs) for path in ("onednn", "torch", None)},
+                reps=reps,
+            )
+        print(
+            f"| {batch}×{length} | {t.ms('builtin'):.1f} | {t.ms('onednn'):.1f} | {t.ms('torch'):.1f} | "
+            f"{t.ms('measured'):.1f} | {', '.join(choices)} |",
+            flush=True,
+        )
+    calibration.force("linear", None)
+
+
 def attention_rate(reps: int, shapes) -> None:
-    """SDPA flash (CPU) vs GEMMs of identical FLOPs, per layer's attention at base width."""
+    """SDPA flash (CPU) vs GEMMs of identical FLOPs, per layer's attention at base width; and SDPA on q/k/v as the
+    model passes them (views into one fused (B, T, 3, H, D) projection) vs with keys/values copied compact first
+    (the copies timed too: `sdpa_layout`)."""
     for batch, length in shapes:
         H, D = 12, 64
         q, k, v = (torch.randn(batch, H, length, D) for _ in range(3))
+        qv, kv, vv_ = (t.transpose(1, 2) for t in torch.randn(batch, length, 3, H, D).unbind(2))  # (B, H, T, D) views
         a = torch.randn(batch * H, length, D)
         b = torch.randn(batch * H, D, length)
         c = torch.randn(batch * H, length, length)
@@ -206,12 +244,21 @@ def attention_rate(reps: int, shapes) -> None:
 
         with torch.no_grad():
             t = interleaved(
-                {"sdpa": partial(F.scaled_dot_product_attention, q, k, v), "gemms": gemms}, reps=reps, warmup=1
+                {
+                    "sdpa": partial(F.scaled_dot_product_attention, q, k, v),
+                    "gemms": gemms,
+                    "views": partial(F.scaled_dot_product_attention, qv, kv, vv_),
+                    "compact": lambda q=qv, k=kv, v=vv_: F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous()),
+                },
+                reps=reps,
+                warmup=1,
             )
         flops = 4.0 * batch * H * length * length * D
         print(
             f"attention {batch}×{length} (one layer): SDPA {t.ms('sdpa'):.1f} ms = {flops / t.median('sdpa') / 1e9:.0f}"
-            f" GFLOP/s; same-FLOP bmm {t.ms('gemms'):.1f} ms = {flops / t.median('gemms') / 1e9:.0f} GFLOP/s",
+            f" GFLOP/s; same-FLOP bmm {t.ms('gemms'):.1f} ms = {flops / t.median('gemms') / 1e9:.0f} GFLOP/s; SDPA on"
+            f" the fused projection's views {t.ms('views'):.1f} ms, keys/values copied compact first"
+            f" {t.ms('compact'):.1f} ms",
             flush=True,
         )
 
@@ -222,12 +269,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shapes", default="4x512,1x4096")
     parser.add_argument("--only", default="gemm_rate,attention_rate,onednn_linear")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for linear_paths")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     start = time.time()
     for name in args.only.split(","):
         if name == "onednn_linear":
             onednn_experiment(args.layers, args.reps, shapes)
+        elif name == "linear_paths":
+            linear_paths(args.layers, args.reps, shapes, getattr(torch, args.dtype))
         elif name == "packing":
             packing_experiment(args.layers, args.reps, shapes)
         elif name == "packed_gemm":

@@ -71,7 +71,6 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         for shape in args.shapes.split(","):
-            ratios = []
             for label, env in allocators.items():
                 argv = [sys.executable, __file__, "--layers", str(args.layers), "--reps", str(args.reps)]
                 out = subprocess.run(
@@ -82,19 +81,20 @@ def main() -> None:
                     text=True,
                 ).stdout
                 cell = json.loads(out.strip().splitlines()[-1])
-                ratios.append(cell["builtin"]["ms"] / cell["ours"]["ms"])
+                ratio = cell["builtin"]["ms"] / cell["ours"]["ms"]
                 rows.append(
                     [dtype, shape.replace("x", "×"), label]
                     + [f"{cell[m]['ms']:.0f} ({cell[m]['faults']:.0f})" for m in ("builtin", "ours")]
-                    + [f"{ratios[-1]:.2f}×"]
+                    + [f"{ratio:.2f}×"]
                 )
                 print(" | ".join(rows[-1]), flush=True)
     headers = ["dtype", "B×T", "allocator", "built-in ms (faults)", "ours ms (faults)", "built-in / ours"]
     table = markdown_table(headers, rows)
     info = machine()
     header = f"CPU: {info['CPU']}, torch threads {info['torch threads']}, {info['date (UTC)']} UTC"
-    command = f"`python bench/page_faults.py --layers {args.layers} --shapes {args.shapes} --dtypes {args.dtypes} --reps {args.reps}`"
-    text = "\n\n".join([f"# Page faults: built-in vs ours under two allocators ({args.layers} layers)", command, header, table])
+    options = f"--layers {args.layers} --shapes {args.shapes} --dtypes {args.dtypes} --reps {args.reps}"
+    title = f"# Page faults: built-in vs ours under two allocators ({args.layers} layers)"
+    text = "\n\n".join([title, f"`python bench/page_faults.py {options}`", header, table])
     print("\n" + text)
     if args.out:
         with open(args.out, "w") as f:

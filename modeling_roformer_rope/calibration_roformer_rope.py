@@ -38,11 +38,12 @@ def _forced_by_environment(raw: str) -> dict[str, str]:
         if kind in KINDS and path:
             paths[kind] = path
         else:
-            logger.warning("ignoring ROFORMER_ROPE_FORCE entry %r: expected kind=path with kind one of %s", entry, KINDS)
+            logger.warning("ignoring ROFORMER_ROPE_FORCE entry %r: expected kind=path, kind one of %s", entry, KINDS)
     return paths
 
 
-_forced.update(_forced_by_environment(os.environ.get("ROFORMER_ROPE_FORCE", "")))
+_environment = _forced_by_environment(os.environ.get("ROFORMER_ROPE_FORCE", ""))
+_forced.update(_environment)
 
 
 def force(kind: str, path: str | None) -> None:
@@ -52,6 +53,13 @@ def force(kind: str, path: str | None) -> None:
     _forced[kind] = path
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]
+
+
+def force_default(kind: str, path: str) -> None:
+    """`force`, unless ROFORMER_ROPE_FORCE names this kind: the switches that force a whole family of paths
+    (`ROFORMER_ROPE_ONEDNN=1`, `ROFORMER_ROPE_PACK=1`) yield to a decision named explicitly."""
+    if kind not in _environment:
+        force(kind, path)
 
 
 def forced(kind: str) -> str | None:
@@ -72,19 +80,20 @@ def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -
     Interleaving puts the candidates under the same conditions (a first forward also faults in fresh memory and
     wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
     on Sapphire Rapids between GEMMs 6-18% apart); the best of the rounds drops the interruptions."""
-    alive = {}
-    for name, fn in candidates.items():
-        try:
-            fn()  # warm-up: first-call allocations, oneDNN primitive creation
-            alive[name] = fn
-        except RuntimeError as error:  # e.g. oneDNN has no bf16 kernel for a CPU without bf16 instructions
-            logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
-    best = dict.fromkeys(alive, float("inf"))
-    for _ in range(ROUNDS):
-        for name, fn in alive.items():
+    best = dict.fromkeys(candidates, float("inf"))
+    for round_ in range(ROUNDS + 1):  # round 0: the untimed warm-up (first-call allocations, oneDNN primitives)
+        for name, fn in candidates.items():
+            if name not in best:
+                continue
             start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            try:
+                fn()
+            except RuntimeError as error:  # e.g. oneDNN has no bf16 kernel for a CPU without bf16 instructions
+                logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
+                del best[name]
+                continue
+            if round_:
+                best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -93,7 +102,10 @@ def choose(key: tuple, candidates: dict[str, Callable[[], object]]) -> str:
     path = forced(key[0])
     if path is not None:
         if path not in candidates:
-            raise ValueError(f"roformer_rope dispatch: {key[0]} forced to {path!r}; the paths are {sorted(candidates)}")
+            raise ValueError(
+                f"roformer_rope dispatch: {key[0]} forced to {path!r} (by ROFORMER_ROPE_FORCE or force()); "
+                f"the paths are {sorted(candidates)}"
+            )
         return path
     choice = _choices.get(key)
     if choice is None:
@@ -136,4 +148,4 @@ def length_bucket(length: int) -> int:
     return bucket
 
 
-__all__ = ["KINDS", "choose", "decisions", "force", "forced", "length_bucket", "reset", "row_bucket"]
+__all__ = ["KINDS", "choose", "decisions", "force", "force_default", "forced", "length_bucket", "reset", "row_bucket"]

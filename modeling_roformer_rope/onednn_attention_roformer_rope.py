@@ -50,19 +50,15 @@ def onednn_attention_applies(
     value: torch.Tensor | None = None,
 ) -> bool:
     """Whether `onednn_attention` can and should replace SDPA for these inputs."""
-    if tracing():  # tracers get SDPA; decided before any shape is read, which would become a guard
+    if not _long_cpu_inference(query, key, value):  # tracers get SDPA (see there)
         return False
     mode = read_settings()
     applicable = (
         _LINEAR_POINTWISE is not None
         and mode.onednn_attention_enabled
-        and query.device.type == "cpu"
         and query.dtype == key.dtype
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and key.shape[2] >= MIN_KEYS
-        and query.shape[2] > 1
         and dropout == 0.0
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)))
         and (attention_mask is None or attention_mask.dim() == 4)
     )
     if not applicable or mode.onednn_attention == "on":
@@ -70,11 +66,28 @@ def onednn_attention_applies(
     return _faster_here(query, key, value) == "onednn"
 
 
+def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> bool:
+    """Eager CPU attention without autograd, of more than one query (not a decode step) over ≥ MIN_KEYS keys: where
+    the attention decisions below are made. Tracing is checked before any shape is read (a read becomes a guard)."""
+    return (
+        not tracing()
+        and query.device.type == "cpu"
+        and key.shape[2] >= MIN_KEYS
+        and query.shape[2] > 1
+        and query.numel() > 0
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)))
+    )
+
+
+def _proxy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One head's ≤ 256 queries and all its keys/values: what the attention decisions are timed on."""
+    return tuple(t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
+
+
 def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> str:
     """Ours or SDPA for this (dtype, key-length bucket), timed once on one head and ≤ 256 queries."""
-    value = key if value is None else value
     shape_class = ("attention", str(query.dtype), length_bucket(key.shape[2]))
-    q, k, v = (t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
+    q, k, v = _proxy(query, key, key if value is None else value)  # (1, 1, ≤256 | S, D)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return choose(shape_class, {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)})
 
@@ -84,24 +97,20 @@ def sdpa_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
 
     Keys and values come as views into the fused projection, one row every 3·H·D elements; CPU SDPA's float32
     kernel read them ~8% slower than compact (B, H, S, D) copies at 1536-4096 keys on Sapphire Rapids, copies
-    included, and bf16 lost as much at 512. So it is measured per (dtype, key-length bucket) on one head, the
-    proxy paying its share of the copy (the rows its ≤ 256 queries stand for), at CPU inference from MIN_KEYS."""
-    if (
-        tracing()
-        or query.device.type != "cpu"
-        or key.shape[2] < MIN_KEYS
-        or query.shape[2] == 1
-        or (key.is_contiguous() and value.is_contiguous())
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
-    ):
+    included; for bf16 the copies lost (512-4096 keys). So it is measured per (dtype, key-length bucket) on one
+    head, the proxy paying its share of the copy (the rows its ≤ 256 queries stand for), wherever
+    `_long_cpu_inference` holds. The proxy's small copy runs on one thread where the real one uses all: the
+    measurement leans towards "strided", the safe side (the copy never changes the result, only the speed)."""
+    if not _long_cpu_inference(query, key, value) or (key.is_contiguous() and value.is_contiguous()):
         return "strided"
-    q, k, v = (t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
+    q, k, v = _proxy(query, key, value)  # (1, 1, ≤256 | S, D)
     compact_k, compact_v = k.contiguous(), v.contiguous()  # (1, 1, S, D)
     share = max(1, key.shape[2] * q.shape[2] // query.shape[2])  # copied rows the proxy's queries stand for
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def contiguous():
-        k[:, :, :share].contiguous(), v[:, :, :share].contiguous()
+        k[:, :, :share].contiguous()
+        v[:, :, :share].contiguous()
         sdpa(q, compact_k, compact_v)
 
     shape_class = ("sdpa_layout", str(query.dtype), length_bucket(key.shape[2]))

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUActivation
 
-from .calibration_roformer_rope import choose, force, row_bucket
+from .calibration_roformer_rope import choose, force_default, row_bucket
 from .prepack_roformer_rope import available as packing_available
 from .prepack_roformer_rope import forget, packed_linear, proxy_gemm
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
@@ -129,11 +129,11 @@ def _onednn_op():
 
 _LINEAR_POINTWISE = _onednn_op()
 if settings.onednn == "on":
-    force("linear", "onednn")
-    force("linear_backward", "onednn")
-    force("linear_gelu", "fused")
+    force_default("linear", "onednn")
+    force_default("linear_backward", "onednn")
+    force_default("linear_gelu", "fused")
 if settings.pack == "on":
-    force("linear_packed", "packed")
+    force_default("linear_packed", "packed")
 
 # Dtypes the CPU computes natively (else emulated: bf16 runs ~7× slower than float32 on an AVX2-only EPYC).
 _NATIVE = {

@@ -21,9 +21,10 @@ def forced():
         for kind, path in paths.items():
             calibration.force(kind, path)
 
+    saved = dict(calibration._forced)  # what ROFORMER_ROPE_FORCE / _ONEDNN=1 set for this process, if anything
     yield force
     for kind in calibration.KINDS:
-        calibration.force(kind, None)
+        calibration.force(kind, saved.get(kind))
 
 
 @needs_onednn
@@ -181,18 +182,27 @@ def _fused_views(B: int, T: int, H: int = 2, D: int = 16) -> tuple[torch.Tensor,
 
 
 def test_sdpa_layout_is_measured_only_at_long_cpu_inference(forced):
+    forced(sdpa_layout=None)
     calibration.reset()
     q, k, v = _fused_views(1, 600)
     with torch.no_grad():
         assert oa.sdpa_layout(q[:, :, :1], k, v) == "strided"  # one-token decode step
+        assert oa.sdpa_layout(q[:, :, :0], k, v) == "strided"  # no queries
+        assert oa.sdpa_layout(*_fused_views(0, 600)) == "strided"  # empty batch
         assert oa.sdpa_layout(*_fused_views(1, 100)) == "strided"  # below MIN_KEYS
         assert oa.sdpa_layout(q, k.contiguous(), v.contiguous()) == "strided"  # nothing to compact
         assert calibration.decisions() == []
         choice = oa.sdpa_layout(q, k, v)
-    assert oa.sdpa_layout(q.requires_grad_(), k, v) == "strided"  # training: SDPA's backward sees the views
     made = calibration.decisions()
     assert [d["class"] for d in made] == [["sdpa_layout", "torch.float32", 1024]]
     assert made[0]["choice"] == choice and set(made[0]["ms"]) == {"strided", "contiguous"}
+    forced(sdpa_layout="contiguous")
+    with torch.no_grad():
+        assert oa.sdpa_layout(q, k, v) == "contiguous"
+    assert oa.sdpa_layout(q.requires_grad_(), k, v) == "strided"  # training: SDPA's backward sees the views
+    with torch.no_grad():
+        compiled = torch.compile(lambda q, k, v: torch.tensor(oa.sdpa_layout(q, k, v) == "strided"), fullgraph=True)
+        assert compiled(q.detach(), k, v)  # traced: the views as given, no decision
 
 
 @pytest.mark.parametrize("layout", ["strided", "contiguous"])
@@ -220,7 +230,10 @@ def test_each_sdpa_layout_equals_the_builtin(forced, monkeypatch, layout):
 def test_a_forced_path_must_exist(forced):
     forced(sdpa_layout="dense")
     q, k, v = _fused_views(1, 600)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"sdpa_layout forced to 'dense'; the paths are \['contiguous', 'strided'\]"):
+    expected = (
+        r"sdpa_layout forced to 'dense' \(by ROFORMER_ROPE_FORCE or force\(\)\); the paths are \['contiguous', 'strided'\]"
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match=expected):
         oa.sdpa_layout(q, k, v)
     with pytest.raises(ValueError, match="unknown decision kind 'layout'"):
         calibration.force("layout", "strided")
@@ -236,3 +249,7 @@ def test_environment_fixes_any_decision():
     )
     out = probe_json(probe, ROFORMER_ROPE_FORCE=" sdpa_layout=contiguous, linear=torch,bogus, =x")
     assert out == {"layout": "contiguous", "n": 0, "forced": "torch"}
+    # The family switch forces every oneDNN path except the one named explicitly.
+    probe += "\nprint(json.dumps({'backward': c.forced('linear_backward'), 'linear': c.forced('linear')}))"
+    out = probe_json(probe, ROFORMER_ROPE_FORCE="linear=torch", ROFORMER_ROPE_ONEDNN="1")
+    assert out == {"backward": "onednn", "linear": "torch"}
