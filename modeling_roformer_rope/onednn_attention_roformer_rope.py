@@ -104,14 +104,16 @@ def sdpa_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     if not _long_cpu_inference(query, key, value) or (key.is_contiguous() and value.is_contiguous()):
         return "strided"
     q, k, v = _proxy(query, key, value)  # (1, 1, ≤256 | S, D)
-    compact_k, compact_v = k.contiguous(), v.contiguous()  # (1, 1, S, D)
     share = max(1, key.shape[2] * q.shape[2] // query.shape[2])  # copied rows the proxy's queries stand for
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    compact = []  # the proxy head's compact keys/values, made on the untimed warm-up call (never once decided)
 
     def contiguous():
+        if not compact:
+            compact.extend((k.contiguous(), v.contiguous()))  # (1, 1, S, D) each
         k[:, :, :share].contiguous()
         v[:, :, :share].contiguous()
-        sdpa(q, compact_k, compact_v)
+        sdpa(q, *compact)
 
     shape_class = ("sdpa_layout", str(query.dtype), length_bucket(key.shape[2]))
     return choose(shape_class, {"strided": lambda: sdpa(q, k, v), "contiguous": contiguous})
