@@ -1,13 +1,15 @@
 """Kernel rates behind the floor and bf16 numbers, measured in isolation (interleaved, medians).
 
-    python bench/experiments.py --layers 4 --reps 5 [--only gemm_rate,attention_rate,onednn_linear,packed_gemm]
+    python bench/experiments.py --layers 4 --reps 5 [--only gemm_rate,attention_rate,attention_parts,onednn_linear,packed_gemm]
         [--shapes 1x128,8x128,4x512,1x4096]
 
 Experiments
+- attention_parts: bf16 SDPA vs a lower bound for any attention built from torch's kernels: its two bf16 GEMMs
+  in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
-- gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32) vs bf16, at the
-  encoder's four GEMM shapes.
+- gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
+  bf16 oneDNN, at the encoder's four GEMM shapes (2048 rows).
 - packed_gemm: float32 GEMM rate vs row count at the encoder's four shapes: `F.linear`, oneDNN, oneDNN with a
   pre-packed weight, and MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what the model packs at inference on
   short inputs: `modeling_roformer_rope/prepack_roformer_rope.py`).
@@ -50,13 +52,14 @@ def gemm_rate(reps: int, tokens: int = 2048) -> None:
                     "fp32": partial(F.linear, x32, w32),
                     "fp32_onednn": partial(_packed_linear, x32, weight=packed, bias=None),
                     "bf16": partial(F.linear, x16, w16),
+                    "bf16_onednn": partial(torch.ops.mkldnn._linear_pointwise, x16, w16, None, "none", [], ""),
                 },
                 reps=reps,
             )
         rate = {name: 2.0 * tokens * k * n / t.median(name) / 1e9 for name in t.times}
         print(
             f"GEMM {tokens}×{k}→{n} GFLOP/s: fp32 F.linear {rate['fp32']:.0f}, fp32 oneDNN packed "
-            f"{rate['fp32_onednn']:.0f}, bf16 F.linear {rate['bf16']:.0f}",
+            f"{rate['fp32_onednn']:.0f}, bf16 F.linear {rate['bf16']:.0f}, bf16 oneDNN {rate['bf16_onednn']:.0f}",
             flush=True,
         )
 
@@ -248,7 +251,9 @@ def attention_rate(reps: int, shapes) -> None:
                     "sdpa": partial(F.scaled_dot_product_attention, q, k, v),
                     "gemms": gemms,
                     "views": partial(F.scaled_dot_product_attention, qv, kv, vv_),
-                    "compact": lambda q=qv, k=kv, v=vv_: F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous()),
+                    "compact": lambda q=qv, k=kv, v=vv_: F.scaled_dot_product_attention(
+                        q, k.contiguous(), v.contiguous()
+                    ),
                 },
                 reps=reps,
                 warmup=1,
@@ -261,6 +266,55 @@ def attention_rate(reps: int, shapes) -> None:
             f" {t.ms('compact'):.1f} ms",
             flush=True,
         )
+
+
+def attention_parts(reps: int, shapes, block: int = 512) -> None:
+    """bf16 attention per layer at base width: SDPA's kernel vs the parts any kernel built from torch's own ops
+    must pay, each at its best (outputs written to buffers that stay in cache): the two bf16 GEMMs per head
+    (QKᵀ, PV), `block` queries at a time (512 was the fastest of 64–512 on Sapphire Rapids), and one float32
+    exp per score (the softmax numerator) on an L2-sized buffer. GEMMs + exps bound such a kernel from below
+    (its max, sum, scaling and bf16 rounding passes are free here); README's bf16 1×4096 floor arithmetic
+    uses this bound."""
+    for batch, length in shapes:
+        _attention_parts_at(batch, length, reps, min(block, length))
+
+
+def _attention_parts_at(batch: int, length: int, reps: int, rows: int, H: int = 12, D: int = 64) -> None:
+    q, k, v = (torch.randn(batch, H, length, D, dtype=torch.bfloat16) for _ in range(3))
+    keys_t = torch.randn(D, length, dtype=torch.bfloat16)  # Kᵀ of one head, (D, T)
+    values = torch.randn(length, D, dtype=torch.bfloat16)  # (T, D)
+    q_block = torch.randn(rows, D, dtype=torch.bfloat16)  # (rows, D)
+    p_block = torch.randn(rows, length, dtype=torch.bfloat16)  # (rows, T) probabilities, bf16
+    s_out = torch.empty(rows, length, dtype=torch.bfloat16)  # (rows, T) scores
+    o_out = torch.empty(rows, D, dtype=torch.bfloat16)  # (rows, D)
+    blocks = batch * H * -(-length // rows)  # (head, query block) pairs per layer
+    scores = batch * H * length * length  # exps per layer
+    chunk, out = torch.randn(1 << 17), torch.empty(1 << 17)  # 512 KiB float32 each: both stay in L2
+    exp_calls = -(-scores // chunk.numel())
+
+    def gemms():
+        for _ in range(blocks):
+            torch.mm(q_block, keys_t, out=s_out)  # QKᵀ: (rows, T)
+            torch.mm(p_block, values, out=o_out)  # PV: (rows, D)
+
+    def exps():
+        for _ in range(exp_calls):
+            torch.exp(chunk, out=out)
+
+    with torch.no_grad():
+        t = interleaved(
+            {"sdpa": partial(F.scaled_dot_product_attention, q, k, v), "gemms": gemms, "exps": exps},
+            reps=reps,
+            warmup=1,
+        )
+    flops = 4.0 * batch * H * length * length * D
+    print(
+        f"bf16 attention {batch}×{length} (one layer, {flops / 1e9:.1f} GFLOP, {scores / 1e6:.0f} M scores): SDPA"
+        f" {t.ms('sdpa'):.1f} ms = {flops / t.median('sdpa') / 1e9:.0f} GFLOP/s; its bf16 GEMMs alone (per head, {rows}-query"
+        f" blocks) {t.ms('gemms'):.1f} ms = {flops / t.median('gemms') / 1e9:.0f} GFLOP/s; one float32 exp per"
+        f" score, in cache, {t.ms('exps'):.1f} ms; lower bound GEMMs + exps {t.ms('gemms') + t.ms('exps'):.1f} ms",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -286,6 +340,8 @@ def main() -> None:
             gemm_rate(args.reps)
         elif name == "attention_rate":
             attention_rate(args.reps, shapes)
+        elif name == "attention_parts":
+            attention_parts(args.reps, shapes)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")
