@@ -47,6 +47,11 @@ KEY_MAP: list[Rule] = [
     (r"^((classifier|qa_outputs)(\.(dense|out_proj))?\.(weight|bias))$", r"\1"),
 ]
 SINUSOID_KEY = "roformer.encoder.embed_positions.weight"
+# Built-in key → the key its forward reads instead, when both map to one of ours. The LM head's
+# `cls.predictions.bias` is tied to `cls.predictions.decoder.bias` only with tied word embeddings; untied,
+# the two are separate tensors and only the decoder's bias reaches the logits (RoFormerLMPredictionHead),
+# so an untied, trained checkpoint holds two different values and the unused one is dropped.
+UNUSED_ALIASES = {"cls.predictions.bias": "cls.predictions.decoder.bias"}
 
 # Built-in class name → ours.
 ARCHITECTURES = {
@@ -80,8 +85,22 @@ __all__ = [
 ]
 
 
+def drop_unused_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` without each `UNUSED_ALIASES` key whose value differs from the key the forward reads."""
+    dropped = {}
+    for alias, used in UNUSED_ALIASES.items():
+        if alias in state_dict and used in state_dict and not torch.equal(state_dict[alias], state_dict[used]):
+            logger.info("dropping %r: it differs from %r, which the built-in forward uses", alias, used)
+            dropped[alias] = used
+    return {key: tensor for key, tensor in state_dict.items() if key not in dropped}
+
+
 def convert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename every tensor, fuse query/key/value into `qkv` (rows ordered q, k, v), check duplicates agree."""
+    """Rename every tensor, fuse query/key/value into `qkv` (rows ordered q, k, v), check duplicates agree.
+
+    Only an unused alias (`UNUSED_ALIASES`) may disagree with the tensor it shadows; it is dropped.
+    """
+    state_dict = drop_unused_aliases(state_dict)
     renamed, sources = map_keys(state_dict, KEY_MAP, noun="built-in RoFormer weight")
     converted, _ = fuse_qkv(renamed, sources)
     return converted

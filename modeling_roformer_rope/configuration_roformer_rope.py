@@ -148,6 +148,11 @@ class RoFormerRopeConfig(PreTrainedConfig):
             if value not in ACT2FN and not (name == "pooler_activation" and value == "linear"):
                 raise ValueError(f"{name} {value!r} is not an activation transformers knows (ACT2FN)")
         self._validate_attention_types()
+        if getattr(self, "add_cross_attention", False):
+            raise ValueError(
+                "add_cross_attention=True: RoFormer has no cross-attention layers (use it as an encoder, or as a"
+                " decoder-only causal LM)"
+            )
         if self.unilm_mask and self.is_decoder:
             raise ValueError("unilm_mask and is_decoder are exclusive: choose the UniLM mask or the causal mask")
         if self.norm_type == "rms_norm" and self.embedding_size != self.hidden_size:

@@ -3,7 +3,8 @@
 Masks mean one thing on every backend:
 - 2-D `attention_mask` (B, S), S = past + T: 1/True keeps a key, 0/False drops it (any integer, bool or float
   dtype).
-- 4-D `attention_mask` (B or 1, 1 or H, T, S), already in attention form: bool keeps True positions, a float
+- 4-D `attention_mask` (B or 1, 1 or H, T or 1, S), already in attention form (T = 1 broadcasts over the
+  queries, as BERT's "extended" (B, 1, 1, S) mask): bool keeps True positions, a float
   mask is added to the scores (0 keeps, a large negative value or -inf drops). Integer 4-D masks are refused:
   "1 = keep" and "add 1 to the score" would both be plausible readings. Only the `eager` and `sdpa` backends
   take 4-D masks (flash and flex attention build their own).
@@ -62,9 +63,9 @@ def _check_mask(mask: torch.Tensor, batch: int, length: int, keys: int, num_head
             f"attention_mask must be 2-D (batch, keys) or 4-D (batch, heads, queries, keys), got shape {_shape(mask)}"
         )
     b, h, t, s = mask.shape
-    if b not in (1, batch) or h not in (1, num_heads) or t != length or s != keys:
+    if b not in (1, batch) or h not in (1, num_heads) or t not in (1, length) or s != keys:
         raise ValueError(
-            f"4-D attention_mask shape {_shape(mask)} must be (batch or 1, heads or 1, seq_len, past + seq_len) = "
+            f"4-D attention_mask shape {_shape(mask)} must be (batch or 1, heads or 1, seq_len or 1, past + seq_len) = "
             f"({batch}, {num_heads}, {length}, {keys})"
         )
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:

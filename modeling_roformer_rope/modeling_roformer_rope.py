@@ -289,6 +289,9 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             transformers before 5.24 named it `past_key_values`; that name is accepted too.
         """
         cache = take_cache(cache, kwargs)
+        for name in ("encoder_hidden_states", "encoder_attention_mask"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name} was given, but RoFormer has no cross-attention layers to read it")
         if not self.config.is_decoder:
             use_cache = False
         if use_cache and cache is None:
@@ -453,6 +456,13 @@ class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head.decoder = new_embeddings
 
+    @staticmethod
+    def create_masks_for_generate(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+        """`generate` with a static (compileable) cache asks for the masks before the forward; transformers' default
+        reads `config.layer_types` as mask kinds, which ours are not ("linear_attention" layers take a padding
+        mask). The forward builds every mask itself from the 2-D padding mask, so that is passed through."""
+        return attention_mask
+
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -519,6 +529,11 @@ class RoFormerRopeClassificationHead(nn.Module):
 
 @auto_docstring(custom_intro="RoFormer with a [CLS] classification / regression head.")
 class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
+    # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
+    # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
+    # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
+    accepts_loss_kwargs = False
+
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -596,6 +611,11 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer with a span-extraction head (start/end logits) for extractive QA.")
 class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
+    # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
+    # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
+    # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
+    accepts_loss_kwargs = False
+
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
@@ -640,6 +660,11 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer scoring each of several choices (input shape (batch, num_choices, seq_len)).")
 class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
+    # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
+    # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
+    # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
+    accepts_loss_kwargs = False
+
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)

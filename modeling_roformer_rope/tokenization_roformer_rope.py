@@ -65,6 +65,25 @@ def _is_ascii_alnum(ch: str) -> bool:
     return ch.isascii() and ch.isalnum()
 
 
+def _batch_item(item, is_split_into_words: bool) -> tuple:
+    """One element of a batch given without `text_pair`: `(sequence,)`, or `(first, second)` for a pair.
+
+    Read as tokenizers' `Tokenizer.encode_batch` (so the built-in tokenizer) reads it: a string (a list
+    of strings when `is_split_into_words`) is one sequence, any other 2-tuple or 2-list is a pair.
+    `_prepare` checks the sequences themselves.
+    """
+    if is_split_into_words:
+        single = isinstance(item, (list, tuple)) and all(isinstance(word, str) for word in item)
+    else:
+        single = isinstance(item, str)
+    if single or not isinstance(item, (list, tuple)):
+        return (item,)
+    if len(item) != 2:
+        one = "a list of words" if is_split_into_words else "a string"
+        raise ValueError(f"a batch element must be {one} or a pair of two, got a {type(item).__name__} of {len(item)}")
+    return tuple(item)
+
+
 class RoFormerRopeTokenizer(TokenizersBackend):
     r"""
     WoBERT-style tokenizer of the Chinese RoFormer checkpoints (see the module docstring).
@@ -320,6 +339,8 @@ class RoFormerRopeTokenizer(TokenizersBackend):
                 raise ValueError(f"text input must be a string or a list of strings, got {type(item).__name__}")
             pieces, spans = self._pieces(item, matchers, split_special_tokens)
             return pieces, (None, spans, pieces)
+        if isinstance(item, str):  # the built-in refuses it too (its words would be the characters)
+            raise ValueError("is_split_into_words expects a list of words per sequence, got a string")
         pieces, spans, words = [], [], []
         for w, word in enumerate(item):
             if not isinstance(word, str):
@@ -357,29 +378,29 @@ class RoFormerRopeTokenizer(TokenizersBackend):
     ) -> BatchEncoding:
         if kwargs.get("sanitize_control_tokens"):
             raise NotImplementedError("RoFormerRopeTokenizer has no chat template support")
+        # batch detection and pairs as in TokenizersBackend._encode_plus (see `_batch_item`)
         if is_split_into_words:
             batched = isinstance(text, (list, tuple)) and len(text) > 0 and isinstance(text[0], (list, tuple))
         else:
             batched = isinstance(text, (list, tuple))
-        texts = list(text) if batched else [text]
-        if text_pair is None:
-            pairs = None
-        elif batched:
-            if isinstance(text_pair, str) or len(text_pair) != len(texts):
+        if not batched:  # like every v5 fast tokenizer, a single empty pair ("") means no pair
+            items = [(text, text_pair)] if text_pair else [(text,)]
+        elif text_pair is not None:
+            if isinstance(text_pair, str) or len(text_pair) != len(text):
                 raise ValueError("for a batch, `text_pair` must be a list as long as `text`")
-            pairs = list(text_pair)
-        else:  # like every v5 fast tokenizer, a single empty pair ("") means no pair
-            pairs = [text_pair] if text_pair else None
-        if not texts:
+            items = list(zip(text, text_pair))
+        else:
+            items = [_batch_item(item, is_split_into_words) for item in text]
+        if not items:
             raise ValueError("cannot tokenize an empty batch")
 
         if split_special_tokens is None:
             split_special_tokens = self.split_special_tokens
         matchers = self._encoder_state()
-        first = [self._prepare(t, is_split_into_words, matchers, split_special_tokens) for t in texts]
-        second = (
-            [self._prepare(t, is_split_into_words, matchers, split_special_tokens) for t in pairs] if pairs else None
-        )
+        # per item: (pieces, Location) of its one or two sequences
+        prepared = [
+            [self._prepare(seq, is_split_into_words, matchers, split_special_tokens) for seq in item] for item in items
+        ]
 
         self.set_truncation_and_padding(
             padding_strategy=padding_strategy,
@@ -400,15 +421,10 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         # pieces never contain whitespace (ordinary pieces are cut at it, added tokens are passed as
         # whitespace-free stand-ins: see _encoder_state), so joining them with spaces and splitting on
         # whitespace is lossless; it is much cheaper for the encoder than one pre-tokenized word per piece
-        if second is None:
-            inputs = [" ".join(a[0]) for a in first]
-        else:
-            inputs = [(" ".join(a[0]), " ".join(b[0])) for a, b in zip(first, second)]
+        # (a batch may mix single sequences and pairs, as the built-in allows)
+        inputs = [" ".join(seqs[0][0]) if len(seqs) == 1 else tuple(" ".join(p) for p, _ in seqs) for seqs in prepared]
         raw = encoder.encode_batch(inputs, add_special_tokens=add_special_tokens)
-        encodings = [
-            AlignedEncoding(enc, [a[1]] if second is None else [a[1], second[i][1]])
-            for i, (enc, a) in enumerate(zip(raw, first))
-        ]
+        encodings = [AlignedEncoding(enc, [loc for _, loc in seqs]) for enc, seqs in zip(raw, prepared)]
 
         if return_token_type_ids is None:
             return_token_type_ids = "token_type_ids" in self.model_input_names
@@ -450,6 +466,38 @@ class RoFormerRopeTokenizer(TokenizersBackend):
     def _encode_without_added_tokens(self, text: str) -> list[int]:
         # the base version runs the backend on raw text, which here would skip jieba
         return self._encode_plus(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    # ---- special tokens on id lists (the built-in RoFormerTokenizer's / BERT's layout) -----------
+
+    def build_inputs_with_special_tokens(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
+    ) -> list[int]:
+        """`[CLS] A [SEP]`, or `[CLS] A [SEP] B [SEP]` for a pair."""
+        output = [self.cls_token_id, *token_ids_0, self.sep_token_id]
+        if token_ids_1 is not None:
+            output += [*token_ids_1, self.sep_token_id]
+        return output
+
+    def create_token_type_ids_from_sequences(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
+    ) -> list[int]:
+        """Token types of `build_inputs_with_special_tokens`' output: 0 for `[CLS] A [SEP]`, 1 for `B [SEP]`."""
+        types = [0] * (len(token_ids_0) + 2)
+        if token_ids_1 is not None:
+            types += [1] * (len(token_ids_1) + 1)
+        return types
+
+    def get_special_tokens_mask(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None, already_has_special_tokens: bool = False
+    ) -> list[int]:
+        """1 where `build_inputs_with_special_tokens` puts `[CLS]`/`[SEP]`, 0 on the sequences' ids; with
+        `already_has_special_tokens`, the base rule (1 on every special id found in `token_ids_0`)."""
+        if already_has_special_tokens:
+            return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
+        mask = [1] + [0] * len(token_ids_0) + [1]
+        if token_ids_1 is not None:
+            mask += [0] * len(token_ids_1) + [1]
+        return mask
 
     # ---- decoding ----------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import modeling_roformer_rope as rr
-from conftest import padded_batch, randomise_, tiny_config
+from conftest import builtin_model, padded_batch, randomise_, tiny_config
+from roformer_rope.conversion.from_transformers import convert_model
 
 LONG = 420  # long enough that "sdpa" routes CPU inference to the oneDNN kernel
 
@@ -64,6 +65,7 @@ def test_integer_4d_mask_is_refused_at_every_length(attn, seq_len):
         ((2, 11), r"attention_mask shape \(2, 11\) must be \(batch, past \+ seq_len\) = \(2, 12\)"),
         ((1, 12), r"attention_mask shape \(1, 12\)"),
         ((2, 1, 12, 11), r"4-D attention_mask shape \(2, 1, 12, 11\) must be"),
+        ((2, 1, 3, 12), r"4-D attention_mask shape \(2, 1, 3, 12\) must be \(batch or 1, heads or 1, seq_len or 1"),
         ((3, 1, 12, 12), r"4-D attention_mask shape \(3, 1, 12, 12\)"),
         ((2, 12, 12), "must be 2-D .* or 4-D"),
     ],
@@ -107,3 +109,32 @@ def test_2d_masks_of_any_dtype_mean_keep_or_drop():
     for dtype in (torch.bool, torch.int32, torch.float32):
         got = run(model, "sdpa", input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].to(dtype))
         torch.testing.assert_close(got[valid], expected[valid], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("seq_len", [10, LONG])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("form", ["additive", "bool"])
+def test_bert_extended_mask_broadcasts_over_queries_like_the_builtin(attn, seq_len, form):
+    """BERT's "extended" (B, 1, 1, S) mask, additive or bool, equals the 2-D mask (and the built-in, which takes it)."""
+    builtin = builtin_model("RoFormerModel", max_position_embeddings=512)
+    ours = convert_model(builtin)
+    batch = padded_batch(seq_len=seq_len)
+    keep = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, S)
+    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = builtin(input_ids=batch["input_ids"], attention_mask=additive).last_hidden_state
+    got = run(ours, attn, input_ids=batch["input_ids"], attention_mask=additive if form == "additive" else keep)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+    plain = run(ours, attn, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(got[valid], plain[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_inputs_are_refused_not_ignored():
+    model = model_of()
+    batch = padded_batch()
+    for name in ("encoder_hidden_states", "encoder_attention_mask"):
+        with pytest.raises(ValueError, match=f"{name} was given, but RoFormer has no cross-attention"):
+            model(input_ids=batch["input_ids"], **{name: torch.ones(2, 4, 32)})
+    with pytest.raises(Exception, match="add_cross_attention=True: RoFormer has no cross-attention"):
+        tiny_config(is_decoder=True, add_cross_attention=True)

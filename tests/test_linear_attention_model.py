@@ -132,6 +132,8 @@ def test_generate_equals_greedy_full_forwards_with_a_constant_state(kind, extra)
             step = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, step], dim=1)
         assert torch.equal(generated, sequence)
+        static = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+        assert torch.equal(static, sequence)
         out = model(ids, use_cache=True)
         layer = output_cache(out).layers[-1]
         sizes = [t.numel() for t in layer.state]

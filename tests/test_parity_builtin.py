@@ -83,6 +83,24 @@ def test_greedy_generation_matches_builtin(attn):
         assert torch.equal(actual, expected), f"use_cache={use_cache}"
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_static_cache_generation_matches_builtin(attn):
+    """`cache_implementation="static"` (transformers' compileable cache) asks the model for its masks first."""
+    builtin = builtin_model("RoFormerForCausalLM", max_position_embeddings=128)
+    ours = convert_model(builtin)
+    ours.set_attn_implementation(attn)
+    prompt = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    expected = builtin.generate(prompt, **kwargs)
+    assert torch.equal(ours.generate(prompt, cache_implementation="static", **kwargs), expected)
+    left_padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt[:1, :3]], dim=1)  # (1, 5)
+    mask = (left_padded != 0).long()
+    kwargs.update(attention_mask=mask)
+    assert torch.equal(
+        ours.generate(left_padded, cache_implementation="static", **kwargs), ours.generate(left_padded, **kwargs)
+    )
+
+
 def test_unknown_and_missing_keys_raise():
     builtin = builtin_model("RoFormerForMaskedLM")
     state = builtin.state_dict()

@@ -201,6 +201,126 @@ def test_special_tokens_mask(ours):
     assert ours.get_special_tokens_mask(enc["input_ids"], already_has_special_tokens=True) == [1, 0, 1, 1, 0, 1]
 
 
+# ---- batches of pairs, special tokens on id lists -----------------------------------------------
+
+_ALL = (*IDS, "offset_mapping", "special_tokens_mask")
+_KW = dict(return_token_type_ids=True, return_offsets_mapping=True, return_special_tokens_mask=True)
+
+
+@pytest.fixture(scope="session")
+def pair_batch(lines) -> list[tuple[str, str]]:
+    """Short questions with long contexts, so `only_second` truncation has something to cut."""
+    return [(a[:12], b) for a, b in zip(lines[:60], lines[60:120])]
+
+
+@pytest.mark.parametrize("container", [tuple, list])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(padding=True),
+        dict(truncation="only_second", max_length=32, padding="max_length"),
+        dict(truncation="only_second", max_length=24, return_overflowing_tokens=True, stride=4),
+        dict(truncation=True, max_length=40, padding=True, padding_side="left"),
+    ],
+)
+def test_batch_of_pairs_matches_builtin(ours, ref, pair_batch, container, kwargs):
+    """`tok([(a, b), ...])` (or `[[a, b], ...]`) is a batch of pairs, as in the built-in (and v5 BERT),
+    the same as `tok([a, ...], [b, ...])`."""
+    batch = [container(pair) for pair in pair_batch]
+    got, want = ours(batch, **_KW, **kwargs), ref(batch, **_KW, **kwargs)
+    assert got.keys() == want.keys()
+    assert_same(got, want, tuple(want.keys()))
+    assert all(got.sequence_ids(i) == want.sequence_ids(i) for i in range(len(want["input_ids"])))
+    firsts, seconds = [a for a, _ in pair_batch], [b for _, b in pair_batch]
+    assert_same(got, ours(firsts, seconds, **_KW, **kwargs), tuple(want.keys()))
+    assert 1 in got["token_type_ids"][0]  # really encoded as pairs
+
+
+def test_batch_mixing_single_texts_and_pairs_matches_builtin(ours, ref, lines):
+    batch = [lines[0], (lines[1][:10], lines[2]), [lines[3], ""], lines[4], ("", lines[5])]
+    for kwargs in (dict(), dict(padding=True, truncation=True, max_length=30)):
+        got, want = ours(batch, **_KW, **kwargs), ref(batch, **_KW, **kwargs)
+        assert_same(got, want, _ALL)
+        assert [got.sequence_ids(i) for i in range(len(batch))] == [want.sequence_ids(i) for i in range(len(batch))]
+
+
+def test_split_into_words_batches_read_as_the_builtin(ours, ref, lines):
+    """With `is_split_into_words`, a list of strings is one word list (two words are not a pair);
+    a pair is a 2-tuple/2-list of word lists, as tokenizers reads pretokenized batches."""
+    words = [[line[i : i + 2] for i in range(0, min(len(line), 20), 2)] for line in lines[:20]]
+    cases = [
+        [w[:2] for w in words],  # a batch of two-word lists: not pairs
+        [tuple(w[:2]) for w in words],  # nor as tuples
+        [(a, b) for a, b in zip(words[::2], words[1::2])],  # pairs of word lists
+        [[a, b] for a, b in zip(words[::2], words[1::2])],
+        [words[0], (words[1], words[2]), [[], words[3]], [], (words[4], [])],  # mixed, empty sequences
+        words[0][:2],  # one sequence of two words, not batched
+        tuple(words[1]),
+    ]
+    for batch in cases:
+        for kwargs in (dict(), dict(padding=True, truncation="only_second", max_length=12)):
+            got = _call_or_error(ours, batch, is_split_into_words=True, **_KW, **kwargs)
+            want = _call_or_error(ref, batch, is_split_into_words=True, **_KW, **kwargs)
+            if isinstance(want, str):  # only_second cannot fit a long first sequence: both refuse
+                assert isinstance(got, str), (batch, want)
+                continue
+            assert_same(got, want, _ALL)
+            rows = range(len(want["input_ids"])) if isinstance(want["input_ids"][0], list) else [0]
+            assert [got.word_ids(i) for i in rows] == [want.word_ids(i) for i in rows]
+            assert [got.sequence_ids(i) for i in rows] == [want.sequence_ids(i) for i in rows]
+    # words given as separate batches of `text` and `text_pair` lists give the same pairs
+    got = ours(words[::2], words[1::2], is_split_into_words=True, **_KW)
+    assert_same(got, ours(cases[2], is_split_into_words=True, **_KW), _ALL)
+
+
+@pytest.mark.parametrize(
+    ("batch", "kwargs"),
+    [
+        ([("我爱", "北京", "天安门")], {}),  # three sequences
+        ([("我爱",)], {}),
+        ([()], {}),
+        ([("我爱", 3)], {}),
+        ([("我爱", None)], {}),
+        ([["我爱", ["北京"]]], {}),  # a list of words where texts are expected
+        ([("我爱", "北京")], dict(text_pair=["天安门"])),  # a pair and a text_pair
+        ("我爱北京", dict(is_split_into_words=True)),  # a string where words are expected
+        ([["我爱"]], dict(text_pair=["北京"], is_split_into_words=True)),
+        ([[["我"], ["爱"], ["北京"]]], dict(is_split_into_words=True)),
+    ],
+)
+def test_malformed_batches_are_refused_like_builtin(ours, ref, batch, kwargs):
+    with pytest.raises((TypeError, ValueError)):
+        ref(batch, **kwargs)
+    with pytest.raises(ValueError):
+        ours(batch, **kwargs)
+
+
+def test_special_token_helpers_match_builtin(ours, ref, lines):
+    """`build_inputs_with_special_tokens`, `create_token_type_ids_from_sequences` and
+    `get_special_tokens_mask` give BERT's layout, as the built-in's own encodings do."""
+    for a, b in zip(lines[:30], lines[30:60]):
+        ids_a, ids_b = ref(a, add_special_tokens=False)["input_ids"], ref(b, add_special_tokens=False)["input_ids"]
+        single, pair = ref(a, **_KW), ref(a, b, **_KW)
+        for args, want in (((ids_a,), single), ((ids_a, ids_b), pair)):
+            assert ours.build_inputs_with_special_tokens(*args) == ref.build_inputs_with_special_tokens(*args)
+            assert ours.build_inputs_with_special_tokens(*args) == want["input_ids"]
+            types = ours.create_token_type_ids_from_sequences(*args)
+            assert types == ref.create_token_type_ids_from_sequences(*args) == want["token_type_ids"]
+            assert ours.get_special_tokens_mask(*args) == want["special_tokens_mask"]
+            formatted = want["input_ids"]
+            assert ours.get_special_tokens_mask(formatted, already_has_special_tokens=True) == (
+                ref.get_special_tokens_mask(formatted, already_has_special_tokens=True)
+            )
+    for args in (([],), ([], []), ([5, 6], [])):
+        assert ours.build_inputs_with_special_tokens(*args) == ref.build_inputs_with_special_tokens(*args)
+        assert ours.create_token_type_ids_from_sequences(*args) == ref.create_token_type_ids_from_sequences(*args)
+    assert len(ours.build_inputs_with_special_tokens([])) == ours.num_special_tokens_to_add()
+    assert len(ours.build_inputs_with_special_tokens([], [])) == ours.num_special_tokens_to_add(pair=True)
+    with pytest.raises(ValueError):  # as the base class: a formatted sequence is never a pair
+        ours.get_special_tokens_mask([2, 3], [3], already_has_special_tokens=True)
+
+
 def test_decode_joins_chinese_without_spaces(ours, ref, lines):
     text = "迈向充满希望的新世纪——一九九八年新年讲话"
     ids = ours(text)["input_ids"]
@@ -264,8 +384,13 @@ def test_save_writes_no_tokenizer_json_and_generic_loaders_refuse(ours, tmp_path
     assert type(AutoTokenizer.from_pretrained(tmp_path)) is RoFormerRopeTokenizer
     # In a process that never imported our package, remote code is required: never a silent fallback.
     probe = "import sys, transformers; transformers.AutoTokenizer.from_pretrained(sys.argv[1])"
-    result = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     assert result.returncode != 0 and "trust_remote_code" in result.stderr, result.stderr[-2000:]
 
 
@@ -576,7 +701,10 @@ ADDED_TOKEN_CASES = [
     ([AddedToken("ab", single_word=True, normalized=False)], ["ab abc xab ab. AB"]),
     # lstrip / rstrip take the whitespace into the token's offsets
     ([AddedToken("<m>", lstrip=True, special=True, normalized=False)], ["x  <m>  y", "<m>", "\u3000<m>"]),
-    ([AddedToken("<m>", rstrip=True, normalized=False), AddedToken("非常", normalized=False)], ["x  <m> y 非常好", "<m>\t"]),
+    (
+        [AddedToken("<m>", rstrip=True, normalized=False), AddedToken("非常", normalized=False)],
+        ["x  <m> y 非常好", "<m>\t"],
+    ),
 ]
 
 
@@ -595,4 +723,3 @@ def test_added_token_flags_match_builtin(vocab, tokens, texts, tmp_path):
     loaded = RoFormerRopeTokenizer.from_pretrained(tmp_path)
     assert loaded.added_tokens_decoder == tok.added_tokens_decoder
     assert_same(loaded(texts, **kw), tok(texts, **kw), (*IDS, "offset_mapping"))
-

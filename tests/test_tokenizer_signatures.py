@@ -33,6 +33,7 @@ OVERRIDDEN = (
     "_save_pretrained",
     "save_vocabulary",
     "convert_tokens_to_string",
+    "get_special_tokens_mask",
 )
 # Private base methods our `_encode_plus` calls, with the parameters it passes (by name).
 CALLED = {

@@ -1,0 +1,91 @@
+"""convert-hf on folders as transformers v5 saves them: the tokenizer from tokenizer.json, untied LM heads."""
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+
+from conftest import builtin_model, padded_batch
+from roformer_rope.conversion.from_transformers import ConversionError, convert_folder
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "今", "天", "气", "非", "常", "好", "今天", "天气", "非常"]
+VOCAB += ["我", "爱", "北京", "hello", "##s", "!"]
+TEXTS = ["今天天气非常好", "我爱北京天安门", "Hello 北京!", "hellos, 今天好冷"]  # 安门, 冷, "," are not in VOCAB
+
+
+def save_v5_folder(folder, **tokenizer_kwargs) -> transformers.PreTrainedTokenizerBase:
+    """A built-in MaskedLM + RoFormerTokenizer saved by transformers v5: tokenizer.json, no vocab.txt."""
+    tokenizer = transformers.RoFormerTokenizer(vocab={t: i for i, t in enumerate(VOCAB)}, **tokenizer_kwargs)
+    builtin_model("RoFormerForMaskedLM", vocab_size=len(VOCAB)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert (folder / "tokenizer.json").is_file() and not (folder / "vocab.txt").exists()
+    return tokenizer
+
+
+@pytest.mark.parametrize("do_lower_case", [True, False])
+def test_v5_folder_gets_our_tokenizer_from_tokenizer_json(tmp_path, do_lower_case):
+    save_v5_folder(tmp_path / "builtin", do_lower_case=do_lower_case)
+    out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    assert (out / "vocab.txt").read_text(encoding="utf-8").splitlines() == VOCAB
+    assert not (out / "tokenizer.json").exists()
+    ours = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert type(ours).__name__ == "RoFormerRopeTokenizer"
+    builtin = transformers.AutoTokenizer.from_pretrained(tmp_path / "builtin")
+    assert type(builtin).__name__ == "RoFormerTokenizer"
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == builtin(text)["input_ids"], text
+    assert builtin(TEXTS[1])["input_ids"].count(VOCAB.index("[UNK]")) == 2  # the out-of-vocabulary case is tested
+    assert (builtin(TEXTS[2])["input_ids"][1] == VOCAB.index("hello")) == do_lower_case
+
+
+def test_v5_folder_special_tokens_are_carried_over(tmp_path):
+    save_v5_folder(tmp_path / "builtin", unk_token="[MASK]", mask_token="[UNK]")  # swapped: not the defaults
+    out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    ours = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    builtin = transformers.RoFormerTokenizer.from_pretrained(tmp_path / "builtin")
+    assert (ours.unk_token, ours.mask_token) == ("[MASK]", "[UNK]")
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == builtin(text)["input_ids"], text
+
+
+def test_tokenizer_json_with_gaps_in_ids_is_refused(tmp_path):
+    source = tmp_path / "builtin"
+    save_v5_folder(source)
+    saved = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    saved["model"]["vocab"]["!"] = len(VOCAB) + 5
+    (source / "tokenizer.json").write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(ConversionError, match=r"tokenizer\.json: model\.vocab ids are not contiguous"):
+        convert_folder(source, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+def test_folder_without_any_tokenizer_converts_with_a_warning(tmp_path, caplog):
+    builtin_model("RoFormerForMaskedLM").save_pretrained(tmp_path / "builtin")
+    with caplog.at_level(logging.INFO):
+        out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    assert (out / "model.safetensors").is_file() and not (out / "vocab.txt").exists()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no tokenizer written" in message for message in warnings), warnings
+
+
+@pytest.mark.parametrize(
+    "class_name, auto_class",
+    [("RoFormerForMaskedLM", "AutoModelForMaskedLM"), ("RoFormerForCausalLM", "AutoModelForCausalLM")],
+)
+def test_untied_lm_head_uses_the_decoder_bias(tmp_path, caplog, class_name, auto_class):
+    builtin = builtin_model(class_name, tie_word_embeddings=False)
+    head = builtin.cls.predictions
+    assert head.bias.data_ptr() != head.decoder.bias.data_ptr()  # two tensors, as after untied training
+    with torch.no_grad():
+        head.bias.fill_(3.0)
+        head.decoder.bias.copy_(torch.linspace(-1, 1, head.decoder.bias.numel()))
+    builtin.save_pretrained(tmp_path / "builtin")
+    with caplog.at_level(logging.INFO):
+        out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    assert any("'cls.predictions.bias'" in r.getMessage() for r in caplog.records)
+    ours = getattr(transformers, auto_class).from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        expected, actual = builtin(**padded_batch()).logits, ours(**padded_batch()).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
