@@ -13,7 +13,6 @@ folder is written beside `--out` and swapped in at the end (`roformer_rope.safe_
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from roformer_rope.safe_write import OutputError, check_output, safe_output_folder
 
+from .json_object import read_json_object
 from .key_map import ConversionError, Rule, fuse_qkv, map_keys
 from .sinusoids import check_sinusoid_table
 from .tokenizer_files import save_tokenizer, tokenizer_settings
@@ -187,12 +187,7 @@ def read_builtin_config(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{config_file}: not found (expected a transformers RoFormer folder)")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConversionError(f"{config_file}: not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{config_file}: expected a JSON object, got a {type(config).__name__}")
+    config = read_json_object(config_file)
     if config.get("model_type") != "roformer":
         raise ConversionError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'roformer'")
     act = config.get("hidden_act", "gelu")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
 
+from .json_object import read_json_object
 from .key_map import ConversionError
 
 logger = logging.getLogger(__name__)
@@ -26,12 +26,7 @@ def read_bert_config(folder: Path) -> dict:
     config_file = folder / "bert_config.json"
     if not config_file.is_file():
         raise ConversionError(f"{config_file}: not found (every released checkpoint ships one next to the .ckpt)")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConversionError(f"{config_file}: not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{config_file}: expected a JSON object, got a {type(config).__name__}")
+    config = read_json_object(config_file)
     missing = [name for name in _REQUIRED_FIELDS if name not in config]
     if missing:
         raise ConversionError(f"{config_file}: missing required field(s) {missing}")

@@ -9,11 +9,11 @@ and the plain tokenizer files are copied instead, so the folder stays complete.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
+from .json_object import read_json_object
 from .key_map import ConversionError
 
 logger = logging.getLogger(__name__)
@@ -23,16 +23,6 @@ _PLAIN_FILES = ("vocab.txt", "special_tokens_map.json", "tokenizer_config.json")
 # Settings carried over from a built-in folder's tokenizer_config.json.
 _SETTINGS = ("do_lower_case", "model_max_length")
 _SPECIAL_TOKENS = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def _read_json_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConversionError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path}: expected a JSON object, got a {type(data).__name__}")
-    return data
 
 
 def _token_text(value, config_file: Path, key: str) -> str:
@@ -49,7 +39,7 @@ def tokenizer_settings(folder: Path) -> dict:
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return {}
-    source = _read_json_object(config_file)
+    source = read_json_object(config_file)
     settings = {key: source[key] for key in _SETTINGS if key in source}
     for key in _SPECIAL_TOKENS:
         if source.get(key) is not None:  # absent or null: our tokenizer's default (the BERT token)
@@ -65,7 +55,7 @@ def wordpiece_vocab(tokenizer_file: Path) -> list[str] | None:
     """
     if not tokenizer_file.is_file():
         return None
-    saved = _read_json_object(tokenizer_file)
+    saved = read_json_object(tokenizer_file)
     model = saved.get("model")
     if not isinstance(model, dict) or model.get("type") != "WordPiece":
         kind = model.get("type") if isinstance(model, dict) else None
