@@ -31,6 +31,7 @@ loader refuses a remote-code file whose top-level imports are missing, so jieba 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -49,10 +50,34 @@ _CJK = (
     "\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b73f"
     "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\U0002f800-\U0002fa1f"
 )
-# a non-vocabulary jieba word splits into single CJK characters and runs of other non-spaces
-_SPLIT_WORD = re.compile(f"[{_CJK}]|[^{_CJK}\\s]+")
-_SPLIT_SPACES = re.compile(r"\S+")
 _HAS_SPACE = re.compile(r"\s").search
+# word-level ("jieba") vocabularies hold words of several Chinese characters; character-level ones do not
+_CJK_WORD = re.compile(f"[{_CJK}]{{2,}}").fullmatch
+WORD_SEGMENTATION = ("auto", "jieba", "none")
+
+
+@functools.cache
+def _punctuation_class() -> str:
+    """BERT's punctuation (`_is_punctuation`: the ASCII symbol ranges and Unicode category P*) as the inside of a
+    regex class; Python's `re` has no \\p{P}. Every P* character lies below U+20000 (~20 ms to scan, once)."""
+    import unicodedata
+
+    chars = [chr(c) for c in range(0x20000) if unicodedata.category(chr(c)).startswith("P")]
+    return r"!-/:-@\[-`{-~" + "".join(re.escape(ch) for ch in chars)
+
+
+@functools.cache
+def _splitters(tokenize_chinese_chars: bool):
+    """(split, tile). `split` cuts a jieba word that is not in the vocabulary as the built-in tokenizer does:
+    single Chinese characters and runs of other non-spaces. `tile` cuts a whole text as BERT's basic tokenizer
+    (bert4keras `Tokenizer._tokenize` without `pre_tokenize`) does: single Chinese characters, single
+    punctuation characters, runs of everything else; its whitespace runs are kept, so the matches cover the
+    text. `tile` gives the words of a character-level checkpoint, which the original tokenized without jieba."""
+    cjk = _CJK if tokenize_chinese_chars else ""
+    split = re.compile(f"[{cjk}]|[^{cjk}\\s]+" if cjk else r"\S+")
+    alone = f"[{cjk}{_punctuation_class()}]"
+    rest = f"[^{cjk}{_punctuation_class()}\\s]+"
+    return split, re.compile(f"\\s+|{alone}|{rest}")
 
 
 def read_vocab_lines(path: str) -> list[str]:
@@ -95,6 +120,10 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             applied on top of the default one; saved as `jieba_dict.txt` by `save_pretrained`.
         jieba_words (`list`, *optional*): extra words for jieba, as `word` or `(word, freq)`.
         do_lower_case, strip_accents, tokenize_chinese_chars: BERT normalisation switches.
+        word_segmentation (`str`, *optional*, defaults to `"auto"`): `"jieba"` (words first, as the
+            word-level checkpoints were trained), `"none"` (BERT's basic tokenizer straight away, as the
+            character-level checkpoints were), or `"auto"`: `"jieba"` when the vocabulary holds words of
+            two or more Chinese characters, else `"none"`. Saved resolved.
 
     Example:
     ```python
@@ -122,6 +151,7 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         mask_token: str = "[MASK]",
         tokenize_chinese_chars: bool = True,
         strip_accents: bool | None = None,
+        word_segmentation: str = "auto",
         **kwargs,
     ) -> None:
         from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -145,6 +175,11 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             raise ValueError(f"the vocabulary lacks the special token(s) {missing}")
         self._word_vocab = frozenset(vocab)
         self._tokenize_chinese_chars = tokenize_chinese_chars
+        if word_segmentation not in WORD_SEGMENTATION:
+            raise ValueError(f"word_segmentation must be one of {WORD_SEGMENTATION}, got {word_segmentation!r}")
+        if word_segmentation == "auto":
+            word_segmentation = "jieba" if any(_CJK_WORD(token) for token in vocab) else "none"
+        self._use_jieba = word_segmentation == "jieba"
 
         custom = read_jieba_dict(jieba_dict_file) if jieba_dict_file else []
         self._segmenter = JiebaSegmenter(custom + as_jieba_words(jieba_words or []))
@@ -175,6 +210,7 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             mask_token=mask_token,
             tokenize_chinese_chars=tokenize_chinese_chars,
             strip_accents=strip_accents,
+            word_segmentation=word_segmentation,
             post_processor=processors.TemplateProcessing(
                 single=f"{cls_token}:0 $A:0 {sep_token}:0",
                 pair=f"{cls_token}:0 $A:0 {sep_token}:0 $B:1 {sep_token}:1",
@@ -276,9 +312,10 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         """Append the pieces of the normalised `norm[start:stop]`; `begin` is where `norm`'s source
         starts in the caller's text, `align[k]` the source span of `norm[k]` (None: one-to-one)."""
         vocab = self._word_vocab
-        split = _SPLIT_WORD if self._tokenize_chinese_chars else _SPLIT_SPACES
+        split, tile = _splitters(self._tokenize_chinese_chars)
         add_piece, add_span = out.append, spans.append
-        words = self._segmenter(norm[start:stop] if start or stop < len(norm) else norm)
+        text = norm[start:stop] if start or stop < len(norm) else norm
+        words = self._segmenter(text) if self._use_jieba else tile.findall(text)
         if align is None:  # the hot path, kept flat on purpose
             e = begin + start
             for word in words:

@@ -671,7 +671,7 @@ def test_payload_imports_only_what_transformers_guarantees():
     `try:`; jieba/rjieba are optional, so they must only be imported inside `try:` blocks."""
     from transformers.dynamic_module_utils import get_imports
 
-    stdlib = {"__future__", "json", "os", "re", "typing"}
+    stdlib = {"__future__", "functools", "json", "os", "re", "typing", "unicodedata"}
     # tokenizers is a hard dependency of transformers (its TokenizersBackend is built on it)
     assert set(get_imports(PAYLOAD)) <= stdlib | {"transformers", "tokenizers"}
 
