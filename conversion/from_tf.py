@@ -178,7 +178,10 @@ def convert_checkpoint(
         model.save_pretrained(tmp)
         save_tokenizer(folder, tmp, model_max_length=model.config.max_position_embeddings)
         result.max_abs_diff = verify_folder(model, tmp)
-        values = tf_card_values(result, model.config, str(checkpoint), folder.name, repo_id, license)
+        # `--checkpoint .` names no release: its resolved folder does (an absolute path is not put in the card)
+        name = folder.resolve().name
+        source = str(checkpoint) if Path(checkpoint).name not in ("", ".", "..") else name
+        values = tf_card_values(result, model.config, source, name, repo_id, license)
         (tmp / "README.md").write_text(render_model_card(values), encoding="utf-8")
     result.out_dir = Path(out_dir)
     return result

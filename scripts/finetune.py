@@ -200,7 +200,13 @@ def arguments_from_namespace(
     values = vars(namespace)
     built = []
     for dtype in ARGUMENT_CLASSES:
-        kwargs = {f.name: values[f.name] for f in dataclasses.fields(dtype) if f.init and f.name in values}
+        # HIDDEN_FIELDS are never flags here: a same-named value in the namespace is another parser's (the
+        # CLI's --debug switch, a bool, would become TrainingArguments.debug, which must be a list)
+        kwargs = {
+            f.name: values[f.name]
+            for f in dataclasses.fields(dtype)
+            if f.init and f.name in values and f.name not in HIDDEN_FIELDS
+        }
         if dtype is FinetuneTrainingArguments and not kwargs.get("output_dir"):
             kwargs["output_dir"] = str(Path("finetune-out") / namespace.task)
         built.append(dtype(**kwargs))

@@ -124,10 +124,12 @@ def run(args: argparse.Namespace) -> int:
                 ensure_ascii=False,
             )
         )
+        # the reload is a step too: --out is replaced only once the exported folder has loaded elsewhere
+        exported = work / "pretrain" / "model"
+        vocab = set((exported / "vocab.txt").read_text(encoding="utf-8").split())
+        held_out = people_daily_lines()[-1000:]  # the quickstart config's held-out slice: never trained on
+        reloaded = reload_and_fill(exported, masked_sentences(held_out, vocab, 6))
     model = out / "pretrain" / "model"
-    vocab = set((model / "vocab.txt").read_text(encoding="utf-8").split())
-    held_out = people_daily_lines()[-1000:]  # the quickstart config's held-out slice: never trained on
-    reloaded = reload_and_fill(model, masked_sentences(held_out, vocab, 6))
     print(f"\nreloaded in a fresh process as {reloaded['class']}; fill-mask on held-out sentences:")
     for fill in reloaded["fills"]:
         print(f"  {fill['text']}  answer={fill['answer']}  top3={fill['top3']}")

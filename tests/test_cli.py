@@ -238,3 +238,44 @@ def test_python_dash_m_entry_points(module, tmp_path):
     line = one_error_line(done.stderr, "convert-tf")
     assert "no such checkpoint" in line and str(tmp_path / "none") in line
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("argv", [["finetune", "sentiment"], ["--debug", "finetune", "sentiment"]])
+def test_finetune_command_builds_the_same_training_arguments_as_the_module(argv, tmp_path):
+    """The CLI's own `--debug` switch must not leak into TrainingArguments.debug (a list in transformers:
+    `Trainer.train` runs `... in args.debug`), with or without `--debug` given."""
+    from roformer_rope.scripts.finetune import arguments_from_namespace, parse
+
+    out = ["--output_dir", str(tmp_path / "ft")]
+    namespace = cli.build_parser().parse_args(argv + out)
+    *_, from_cli = arguments_from_namespace(namespace)
+    *_, from_module = parse(["sentiment", *out])
+    assert from_cli.debug == from_module.debug == []
+
+
+def test_quickstart_keeps_the_old_out_when_the_reload_step_fails(tmp_path, monkeypatch):
+    """README: the temporary folder replaces --out only when every step succeeded, the fresh-process reload
+    included (the steps are stubbed here: only the orchestration is under test)."""
+    import roformer_rope.scripts.finetune as finetune
+    import roformer_rope.scripts.pretrain as pretrain
+    import roformer_rope.scripts.quickstart as quickstart
+
+    def fake_pretrain(args):
+        model = Path(args.out) / "model"
+        model.mkdir(parents=True)
+        (model / "vocab.txt").write_text("[PAD]\n[UNK]\n中\n", encoding="utf-8")
+        (Path(args.out) / "stage_table.json").write_text("[]")
+
+    def failing_reload(folder, sentences):
+        raise RuntimeError(f"reloading {folder} in a fresh process failed")
+
+    monkeypatch.setattr(pretrain, "run", fake_pretrain)
+    monkeypatch.setattr(finetune, "quick_sentiment", lambda *a: {"test": {"accuracy": 0.5}})
+    monkeypatch.setattr(quickstart, "reload_and_fill", failing_reload)
+    out = tmp_path / "qs-out"
+    out.mkdir()
+    (out / "earlier.txt").write_text("an earlier run")
+    with pytest.raises(RuntimeError, match="fresh process failed"):
+        quickstart.main(["--smoke", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["earlier.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qs-out"]  # no temporary folder left behind

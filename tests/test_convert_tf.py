@@ -666,3 +666,15 @@ def test_report_max_differences():
     """Printed with `pytest -s`: the numbers quoted in reports and model cards."""
     for kind, diffs in MAX_DIFFS.items():
         print(kind, {k: f"{v:.2e}" for k, v in diffs.items()})
+
+
+def test_checkpoint_given_as_dot_is_named_by_its_folder_in_the_card(tmp_path, monkeypatch):
+    """`cd release && convert-tf --checkpoint . --out ../x`: the card's title and source name the release
+    folder, never an empty name or `.`."""
+    release = tmp_path / "chinese_roformer-gpt-char_tiny"
+    shutil.copytree(FIXTURES / "gpt", release)
+    monkeypatch.chdir(release)
+    out = convert_checkpoint(Path("."), tmp_path / "x").out_dir
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "# chinese_roformer-gpt-char_tiny (RoFormer, converted)" in card
+    assert "`.`" not in card and "#  (" not in card

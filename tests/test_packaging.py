@@ -24,6 +24,8 @@ def test_wheel_top_level_names_are_namespaced(tmp_path):
         "roformer_rope/tokenization/build_vocab.py",
         "roformer_rope/scripts/quickstart.py",
         "roformer_rope/model_cards/roformer_tf.md",
+        "roformer_rope/scripts/finetune_ds_zero2.json",  # README's `finetune --deepspeed` example
+        "roformer_rope/conversion/json_object.py",
         "modeling_roformer_rope/tokenization_roformer_rope.py",
     ):
         assert expected in names, expected

@@ -77,6 +77,17 @@ def smooth(values: list[float], window: int) -> list[float]:
     return ((csum[idx] - csum[lo]) / (idx - lo)).tolist()
 
 
+def save_plot(draw, path: Path) -> None:
+    """`draw()` (which writes the PNG `path`) when matplotlib is installed (the `bench` extra); without it, say
+    so and go on: the .md/.json results do not need it, and a run of minutes must not end in an ImportError."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"matplotlib is not installed (pip install -e '.[bench]'): {path.name} not drawn", flush=True)
+        return
+    draw()
+
+
 def write_results(out_dir: Path, name: str, data: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

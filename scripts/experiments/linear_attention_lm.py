@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         results.append(train_variant(variant, vocab, train, held, args))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(results, args, args.out_dir / f"{NAME}.png")
+    png = args.out_dir / f"{NAME}.png"
+    common.save_plot(lambda: plot(results, args, png), png)
     sizes = {"train": len(train), "held_out": len(held)}
     markdown = report(results, args, cpu, len(vocab), sizes)
     data = {"experiment": NAME, "quick": args.quick, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

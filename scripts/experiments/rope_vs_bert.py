@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluation = evaluate(args)
     stage_tables = {arch: json.loads((args.models_dir / "runs" / arch / "stage_table.json").read_text()) for arch in ARCHS}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(args, logs, evaluation, args.out_dir / f"{NAME}.png")
+    png = args.out_dir / f"{NAME}.png"
+    common.save_plot(lambda: plot(args, logs, evaluation, png), png)
     markdown = report(args, cpu, timings, logs, evaluation)
     data = {
         "experiment": NAME,

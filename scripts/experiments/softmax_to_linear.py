@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                              "kind": "performer", "placement": placement, "nb_features": m, "metrics": summary})  # fmt: skip
     timing = clock.read()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(rows, args, args.out_dir / f"{NAME}.png")
+    png = args.out_dir / f"{NAME}.png"
+    common.save_plot(lambda: plot(rows, args, png), png)
     markdown = report(rows, args, cpu, base, timing)
     data = {"experiment": NAME, "quick": args.quick, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "cpu": cpu, "timing": timing, "held_out_tokens": stream.num_tokens, "rows": rows}  # fmt: skip
