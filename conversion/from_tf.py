@@ -227,6 +227,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.private or args.revision or args.dry_run) and not args.push_to_hub:
         raise ConversionError("--private, --revision and --dry-run only apply with --push-to-hub")
+    if args.push_to_hub:
+        from .hub import check_repo_id
+
+        check_repo_id(args.push_to_hub)
     result = convert_checkpoint(
         args.checkpoint,
         args.out,

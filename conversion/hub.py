@@ -10,6 +10,8 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from .key_map import ConversionError
+
 # Never part of a model repo: editor/OS litter and Python caches a payload folder may pick up.
 IGNORE_PATTERNS = ["**/__pycache__/**", "*.pyc", ".DS_Store", "**/.git/**"]
 
@@ -35,6 +37,18 @@ def format_size(size: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def check_repo_id(repo_id: str) -> None:
+    """ConversionError unless `repo_id` is a valid Hub id: checked before converting, so a typo costs nothing and
+    is never written into a model card."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ConversionError(f"--push-to-hub {repo_id!r}: not a Hub repo id ({error})") from None
 
 
 def push_folder(

@@ -153,6 +153,13 @@ def test_bad_input_exits_nonzero_with_one_line(tmp_path, capsys):
     empty.write_text("\n  \n", encoding="utf-8")
     assert _run("--corpus", str(empty), "--out", str(tmp_path / "v.txt")) == 2
     assert not (tmp_path / "v.txt").exists()
+    capsys.readouterr()
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("今天\n".encode() + b"ok\n\xff\xfe bad\n")
+    assert _run("--corpus", str(latin), "--out", str(tmp_path / "v.txt")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "latin.txt: line 3 is not UTF-8 text" in err and "\n" not in err
+    assert not (tmp_path / "v.txt").exists()
 
 
 def test_standalone_module_entry_point(tiny_corpus, tmp_path):

@@ -662,6 +662,12 @@ def test_push_options_need_push_to_hub(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_invalid_repo_id_is_refused_before_converting(tmp_path):
+    with pytest.raises(ConversionError, match="--push-to-hub 'bad repo id!!': not a Hub repo id"):
+        from_tf.run(_args(tmp_path, push_to_hub="bad repo id!!", dry_run=True))
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_max_differences():
     """Printed with `pytest -s`: the numbers quoted in reports and model cards."""
     for kind, diffs in MAX_DIFFS.items():

