@@ -132,7 +132,9 @@ def card_values(run_state: dict, model: torch.nn.Module, title: str, checkpoint:
         "license": "apache-2.0",
         "title": title,
         "architecture_name": "RoFormer" if info["architecture"] == "roformer" else "BERT (learned absolute positions)",
-        "architecture_tag": "roformer" if info["architecture"] == "roformer" else "bert",
+        # a BERT baseline is no RoFormer: its card is not tagged as one
+        "architecture_tags": "- roformer\n- rotary" if info["architecture"] == "roformer" else "- bert",
+        "origin": f"from `{info['init_from']}`" if info.get("init_from") else "from scratch",
         "zero_stage": str(info["zero_stage"]),
         "precision": info["precision"],
         "world_size": str(run_state["world_size"]),
