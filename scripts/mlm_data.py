@@ -27,6 +27,7 @@ Pipeline (every step deterministic for a seed):
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -79,6 +80,11 @@ def load_texts(corpus: Sequence[str] | None = None, column: str = "text", split:
                 raise FileNotFoundError(f"--corpus {item}: no such file or directory, nor a loadable dataset ({error})") from None
         else:
             raise FileNotFoundError(f"--corpus {item}: no such file or directory")
+    nonempty = [name for name in files if Path(name).stat().st_size > 0]
+    if not nonempty:  # `datasets` fails on a split of 0-byte files with a generic generation error
+        shown = files[0] if len(files) == 1 else f"{len(files)} files ({', '.join(files[:3])}, ...)"
+        raise ValueError(f"--corpus: the corpus {shown} is empty (0 bytes)")
+    files = nonempty
     for name in files:
         with open(name, "rb") as handle:  # unreadable or binary files fail here, naming the file
             head = handle.read(4096)
@@ -179,45 +185,61 @@ def stream_fingerprint(texts, tokenizer) -> str:
 
 def tokenize_to_stream(texts, tokenizer, folder: Path, num_proc: int = 1, desc: str = "tokenizing") -> TokenStream:
     """Tokenize `texts` once (cached in `folder`) and return its stream."""
+    with staged_stream(texts, tokenizer, folder, num_proc, desc):
+        pass
+    return TokenStream.load(folder)
+
+
+@contextlib.contextmanager
+def staged_stream(texts, tokenizer, folder: Path, num_proc: int = 1, desc: str = "tokenizing") -> Iterator[TokenStream]:
+    """The stream of `texts`: the one in `folder` when it was made from the same rows and vocabulary, else a
+    new one tokenized into a temporary sibling that replaces `folder` only when the `with` block ends without
+    an error, so the caller can check it (a resume's data against its checkpoint) before `folder` changes.
+    Use the yielded stream inside the block only; load `folder` after it."""
     from roformer_rope.safe_write import safe_output_folder
 
     key = stream_fingerprint(texts, tokenizer)
     if (folder / "fingerprint").is_file() and (folder / "fingerprint").read_text().strip() == key:
         logger.info("reusing the tokenized stream in %s", folder)
-        return TokenStream.load(folder)
+        yield TokenStream.load(folder)
+        return
     with safe_output_folder(folder, overwrite=True) as tmp:
-        encoded = texts.map(
-            _encode_batch,
-            batched=True,
-            batch_size=256,
-            num_proc=num_proc if num_proc > 1 and len(texts) >= 4 * num_proc else None,
-            fn_kwargs={"tokenizer": tokenizer},
-            remove_columns=texts.column_names,
-            cache_file_name=str(tmp / "arrow" / "encoded.arrow"),
-            desc=desc,
-        )
-        lengths = np.asarray([len(ids) for ids in encoded["input_ids"]], dtype=np.int64)
-        line_starts = np.concatenate([[0], np.cumsum(lengths)])
-        total = int(line_starts[-1])
-        tokens = np.lib.format.open_memmap(tmp / "tokens.npy", mode="w+", dtype=np.int32, shape=(total,))
-        words = np.lib.format.open_memmap(tmp / "words.npy", mode="w+", dtype=np.int64, shape=(total,))
-        word_base, line = 0, 0
-        for chunk in encoded.iter(batch_size=4096):
-            for ids, word_ids in zip(chunk["input_ids"], chunk["word_ids"]):
-                a, b = line_starts[line], line_starts[line + 1]
-                tokens[a:b] = ids
-                if b > a:
-                    local = np.asarray(word_ids, dtype=np.int64)
-                    words[a:b] = word_base + local
-                    word_base += int(local.max()) + 1
-                line += 1
-        tokens.flush()
-        words.flush()
-        del tokens, words, encoded
-        np.save(tmp / "line_starts.npy", line_starts)
-        (tmp / "fingerprint").write_text(key + "\n")
-        _remove_tree(tmp / "arrow")
-    return TokenStream.load(folder)
+        _write_stream(texts, tokenizer, tmp, key, num_proc, desc)
+        yield TokenStream.load(tmp)
+
+
+def _write_stream(texts, tokenizer, tmp: Path, key: str, num_proc: int, desc: str) -> None:
+    encoded = texts.map(
+        _encode_batch,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc if num_proc > 1 and len(texts) >= 4 * num_proc else None,
+        fn_kwargs={"tokenizer": tokenizer},
+        remove_columns=texts.column_names,
+        cache_file_name=str(tmp / "arrow" / "encoded.arrow"),
+        desc=desc,
+    )
+    lengths = np.asarray([len(ids) for ids in encoded["input_ids"]], dtype=np.int64)
+    line_starts = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(line_starts[-1])
+    tokens = np.lib.format.open_memmap(tmp / "tokens.npy", mode="w+", dtype=np.int32, shape=(total,))
+    words = np.lib.format.open_memmap(tmp / "words.npy", mode="w+", dtype=np.int64, shape=(total,))
+    word_base, line = 0, 0
+    for chunk in encoded.iter(batch_size=4096):
+        for ids, word_ids in zip(chunk["input_ids"], chunk["word_ids"]):
+            a, b = line_starts[line], line_starts[line + 1]
+            tokens[a:b] = ids
+            if b > a:
+                local = np.asarray(word_ids, dtype=np.int64)
+                words[a:b] = word_base + local
+                word_base += int(local.max()) + 1
+            line += 1
+    tokens.flush()
+    words.flush()
+    del tokens, words, encoded
+    np.save(tmp / "line_starts.npy", line_starts)
+    (tmp / "fingerprint").write_text(key + "\n")
+    _remove_tree(tmp / "arrow")
 
 
 def _remove_tree(path: Path) -> None:
@@ -304,6 +326,11 @@ class WholeWordMasker:
             raise ValueError("the tokenizer needs [CLS], [SEP], [PAD] and [MASK] tokens for MLM pretraining")
         special = set(tokenizer.all_special_ids)
         self.replacements = np.asarray([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+        if not len(self.replacements):
+            raise ValueError(
+                f"the vocabulary holds only special tokens ({len(tokenizer)}): nothing to predict; the corpus is too "
+                "small for a vocabulary (lower data.vocab_min_char_count, or give --vocab)"
+            )
         self.probability = mlm_probability
         self.seed = seed
 
@@ -431,5 +458,6 @@ __all__ = [
     "pack",
     "sequence_body",
     "split_held_out",
+    "staged_stream",
     "tokenize_to_stream",
 ]

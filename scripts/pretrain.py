@@ -59,7 +59,15 @@ import numpy as np
 import torch
 
 from . import mlm_data
-from .pretrain_config import RunConfig, Stage, fill_deepspeed_config, load_run_config
+from .pretrain_config import (
+    RunConfig,
+    Stage,
+    check_deepspeed_config,
+    check_deepspeed_sections,
+    fill_deepspeed_config,
+    load_run_config,
+    model_config,
+)
 
 logger = logging.getLogger("roformer_rope.pretrain")
 
@@ -111,6 +119,7 @@ def read_deepspeed_config(name: str) -> tuple[Path, dict]:
         raise ValueError(f"--deepspeed {path}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise ValueError(f"--deepspeed {path}: expected a JSON object")
+    check_deepspeed_sections(config, f"--deepspeed {path}")
     return path, config
 
 
@@ -120,10 +129,13 @@ def read_deepspeed_config(name: str) -> tuple[Path, dict]:
 class Run:
     """One pretraining run: data, model, engine, the stage loop, checkpoints and the stage table."""
 
-    def __init__(self, args: argparse.Namespace, config: RunConfig, ds_path: Path, ds_config: dict) -> None:
+    def __init__(
+        self, args: argparse.Namespace, config: RunConfig, ds_path: Path, ds_config: dict, model_config
+    ) -> None:
         from .pretrain_engine import setup_distributed
 
         self.args, self.config = args, config
+        self.model_config = model_config  # the section's config, checked (vocab_size still the default)
         self.out = Path(args.out)
         self.checkpoints = self.out / "checkpoints"
         self.dist = setup_distributed()
@@ -132,6 +144,7 @@ class Run:
         self.stage_table: list[dict] = []
         self.history_file = self.out / "train_log.jsonl"
         self.writer = None
+        self.saved: dict | None = None  # with --resume: the run state of the checkpoint to continue
 
     # -- preparation --
 
@@ -167,8 +180,19 @@ class Run:
                 self.make_tokenizer(train, tok_dir)
             tokenizer = self.load_tokenizer(tok_dir)
             num_proc = self.config.data.num_proc
-            mlm_data.tokenize_to_stream(train, tokenizer, data_dir / "train", num_proc, "tokenizing the training lines")
-            mlm_data.tokenize_to_stream(held_out, tokenizer, data_dir / "held_out", num_proc, "tokenizing the held-out lines")
+            # New streams replace data/ only once both are made and, on --resume, match the checkpoint.
+            with contextlib.ExitStack() as staged:
+                streams = [
+                    staged.enter_context(mlm_data.staged_stream(texts, tokenizer, data_dir / split, num_proc, desc))
+                    for split, texts, desc in (
+                        ("train", train, "tokenizing the training lines"),
+                        ("held_out", held_out, "tokenizing the held-out lines"),
+                    )
+                ]
+                train_tokens, held_out_tokens = (stream.num_tokens for stream in streams)
+                del streams  # memory-mapped from the temporary folders, which are renamed at the end
+                if self.saved is not None:
+                    self.check_resumed_data(train_tokens, held_out_tokens)
         barrier()
         self.tokenizer = self.load_tokenizer(tok_dir)
         self.train_stream = mlm_data.TokenStream.load(data_dir / "train")
@@ -176,6 +200,17 @@ class Run:
         if self.train_stream.num_tokens == 0:
             raise ValueError("the training lines hold no token: is the corpus empty?")
         self.masker = mlm_data.WholeWordMasker(self.tokenizer, self.config.data.mlm_probability, self.config.train.seed)
+
+    def check_resumed_data(self, train_tokens: int, held_out_tokens: int) -> None:
+        saved = self.saved.get("data_tokens")
+        if saved is None:  # a checkpoint from before `data_tokens`: the fingerprint check after loading decides
+            return
+        if (saved["train"], saved["held_out"]) != (train_tokens, held_out_tokens):
+            raise ValueError(
+                f"--resume: checkpoint {self.resume_tag} was made from other data ({saved['train']:,} training and "
+                f"{saved['held_out']:,} held-out tokens; this command's corpus gives {train_tokens:,} and "
+                f"{held_out_tokens:,}); resume with the same --corpus, --corpus-lines and --text-column"
+            )
 
     def corpus_name(self) -> str:
         if not self.args.corpus:
@@ -246,13 +281,6 @@ class Run:
             torch.manual_seed(self.config.train.seed)
             zero3 = self.ds_config if self.ds_config["zero_optimization"].get("stage") == 3 else None
             model = build_model(self.spec["config"], self.spec["architecture"], zero3)
-        limit = model.config.max_position_embeddings
-        for stage in self.config.stages:
-            if stage.max_length > limit:
-                raise ValueError(
-                    f"{stage.name}: max_length {stage.max_length} is longer than the model allows "
-                    f"(max_position_embeddings = {limit}); raise model.max_position_embeddings"
-                )
         if len(self.tokenizer) > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, the model only {model.config.vocab_size}")
         return model
@@ -271,17 +299,10 @@ class Run:
             lr=first.lr,
             weight_decay=self.config.train.weight_decay,
             on_cpu=self.dist.device.type == "cpu",
-            hidden_size=self.hidden_size(),
+            hidden_size=self.model_config.hidden_size,
         )
         self.ds_config.setdefault("zero_optimization", {"stage": 0})
-
-    def hidden_size(self) -> int:
-        init_from = self.config.model.get("init_from")
-        if init_from:
-            from transformers import AutoConfig
-
-            return AutoConfig.from_pretrained(init_from, trust_remote_code=True).hidden_size
-        return int(self.config.model.get("hidden_size", 768))  # the config class's default width
+        check_deepspeed_config(self.ds_config, f"--deepspeed {self.ds_path}")
 
     def start_engine(self, model: torch.nn.Module) -> None:
         from .pretrain_engine import build_engine
@@ -308,14 +329,19 @@ class Run:
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def run_state(self, stage: int, step: int, tokens: int, seconds: float) -> dict:
+    def run_state(
+        self, stage: int, step: int, tokens: int, seconds: float, stage_tokens: int, stage_seconds: float
+    ) -> dict:
         return {
             "stage": stage,
             "stage_step": step,
             "tokens_seen": tokens,
             "train_seconds": seconds,
+            "stage_tokens": stage_tokens,  # so far in `stage` (its stage table row counts from the stage start)
+            "stage_seconds": stage_seconds,
             "world_size": self.dist.world_size,
             "fingerprint": self.fingerprint(),
+            "data_tokens": {"train": self.train_stream.num_tokens, "held_out": self.held_out_stream.num_tokens},
             "stage_table": self.stage_table,
             "info": {
                 "architecture": self.spec["architecture"],
@@ -323,6 +349,7 @@ class Run:
                 "precision": self.args.precision,
                 "corpus": self.corpus_name(),
                 "deepspeed_config": str(self.ds_path),
+                "init_from": self.config.model.get("init_from"),  # the card says where the weights started
             },
         }
 
@@ -339,10 +366,12 @@ class Run:
         self.engine.train()
         return {"batch": {k: v.cpu() for k, v in batch.items()}, "logits": logits, "dtype": str(self.dtype).removeprefix("torch.")}
 
-    def save(self, stage: int, step: int, tokens: int, seconds: float) -> None:
+    def save(
+        self, stage: int, step: int, tokens: int, seconds: float, stage_tokens: int = 0, stage_seconds: float = 0.0
+    ) -> None:
         from .pretrain_engine import checkpoint_tag, prune_checkpoints, save_checkpoint
 
-        state = self.run_state(stage, step, tokens, seconds)
+        state = self.run_state(stage, step, tokens, seconds, stage_tokens, stage_seconds)
         files: dict[str, object] = {"model_config.json": json.dumps(self.spec, indent=2), "probe.pt": self.probe()}
         for path in sorted((self.out / "tokenizer").iterdir()):
             files[f"tokenizer/{path.name}"] = path.read_bytes()
@@ -352,14 +381,18 @@ class Run:
         if self.main:
             logger.info("checkpoint %s saved", folder)
 
-    def resume(self) -> tuple[int, int, int, float]:
-        from .pretrain_engine import latest_tag, load_checkpoint, read_run_state, remove_partials
+    def check_resumable(self) -> None:
+        """--resume: the checkpoint to continue exists and was written by as many processes (before any write)."""
+        from .pretrain_engine import PARTIAL, latest_tag, read_run_state
 
-        if self.main:
-            remove_partials(self.checkpoints)
         tag = latest_tag(self.checkpoints)
         if tag is None:
-            raise ValueError(f"--resume: {self.checkpoints} holds no complete checkpoint to resume from")
+            partial = any(self.checkpoints.glob(PARTIAL + "*"))
+            raise ValueError(
+                f"--resume: {self.checkpoints} holds no complete checkpoint to resume from (the run stopped before "
+                f"its first one{', while saving it' if partial else ''}); run the same command without --resume "
+                "to start it over"
+            )
         saved = read_run_state(self.checkpoints / tag)
         if saved["world_size"] != self.dist.world_size:
             raise ValueError(
@@ -367,15 +400,44 @@ class Run:
                 f"{self.dist.world_size}; ZeRO shards the optimizer by process, so resume with the same number "
                 "(or convert it with DeepSpeed's ds_to_universal and start a new run from the export)"
             )
-        if saved["fingerprint"] != self.fingerprint():
+        self.resume_tag, self.saved = tag, saved
+
+    def resume(self) -> tuple[int, int, int, float, int, float]:
+        from .pretrain_engine import load_checkpoint, remove_partials
+
+        tag = self.resume_tag
+        if self.main:
+            remove_partials(self.checkpoints)
+        if self.saved["fingerprint"] != self.fingerprint():
             raise ValueError(
                 f"--resume: checkpoint {tag} was made with other stages, model, data or seed than this command's; "
                 "resume with the same --config, --corpus and options"
             )
         state = load_checkpoint(self.engine, self.checkpoints, tag, self.dist)
         self.stage_table = state["stage_table"]
+        self.trim_log(sum(s.steps for s in self.config.stages[: state["stage"]]) + state["stage_step"])
         logger.info("resumed from %s: stage %d, step %d", tag, state["stage"] + 1, state["stage_step"])
-        return state["stage"], state["stage_step"], state["tokens_seen"], state["train_seconds"]
+        return (
+            state["stage"], state["stage_step"], state["tokens_seen"], state["train_seconds"],
+            state.get("stage_tokens", 0), state.get("stage_seconds", 0.0),
+        )  # fmt: skip
+
+    def trim_log(self, global_step: int) -> None:
+        """Drop the log records of steps after the checkpoint (a killed run logged them; they are trained
+        again), rewriting the file atomically; a line cut by the kill is dropped too."""
+        if not self.main or not self.history_file.is_file():
+            return
+        kept = []
+        for line in self.history_file.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("global_step", 0) <= global_step:
+                kept.append(line + "\n")
+        tmp = self.history_file.with_name(f".{self.history_file.name}.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.history_file)
 
     # -- training --
 
@@ -426,9 +488,9 @@ class Run:
 
         from .pretrain_engine import reset_optimizer_state, set_lr
 
-        start_stage, start_step, tokens_seen, seconds = (0, 0, 0, 0.0)
+        start_stage, start_step, tokens_seen, seconds, resumed_tokens, resumed_seconds = (0, 0, 0, 0.0, 0, 0.0)
         if self.args.resume:
-            start_stage, start_step, tokens_seen, seconds = self.resume()
+            start_stage, start_step, tokens_seen, seconds, resumed_tokens, resumed_seconds = self.resume()
         global_step = sum(s.steps for s in self.config.stages[:start_stage]) + start_step
         every = self.config.train.checkpoint_every
         for stage_idx in range(start_stage, len(self.config.stages)):
@@ -447,6 +509,8 @@ class Run:
             bar = tqdm(total=stage.steps, initial=first_step, desc=f"{stage.name} (len {stage.max_length})",
                        unit="step", disable=not self.main, dynamic_ncols=True)
             stage_tokens, stage_start = 0, time.perf_counter()
+            if stage_idx == start_stage:  # a resumed stage's row counts from the stage start, not the resume
+                stage_tokens, stage_start = resumed_tokens, stage_start - resumed_seconds
             for step in range(first_step, stage.steps):
                 t0 = time.perf_counter()
                 lr = stage.lr_at(step)
@@ -474,7 +538,8 @@ class Run:
                 if (step + 1) % self.config.train.log_every == 0 or step + 1 == stage.steps:
                     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{stage_tokens / (time.perf_counter() - stage_start):,.0f}")
                 if global_step % every == 0 and step + 1 < stage.steps:
-                    self.save(stage_idx, step + 1, tokens_seen, seconds)
+                    stage_seconds = time.perf_counter() - stage_start
+                    self.save(stage_idx, step + 1, tokens_seen, seconds, stage_tokens, stage_seconds)
             bar.close()
             metrics = self.evaluate(stage.max_length)
             row = {
@@ -500,18 +565,69 @@ class Run:
         print(f"\nPretraining stages (held-out MLM after each stage; {self.corpus_name()}):\n{table}\n")
 
 
-def check_out_folder(out: Path, resume: bool) -> None:
+# What a run writes before its first checkpoint.
+EARLY_ENTRIES = frozenset({"tokenizer", "data", "checkpoints", "train_log.jsonl", "tensorboard"})
+
+
+def unfinished_run(out: Path) -> bool:
+    """Whether `out` was left by a run stopped before its first complete checkpoint (interrupted, or failed on
+    its data): only what such a run writes, a tokenizer, and no `checkpoints/latest`."""
+    names = {path.name for path in out.iterdir()}
+    return names <= EARLY_ENTRIES and "tokenizer" in names and not (out / "checkpoints" / "latest").exists()
+
+
+def check_out_folder(out: Path, resume: bool) -> bool:
+    """Refuse an --out that cannot be used; returns whether it holds an unfinished run to start over."""
     from roformer_rope.safe_write import check_output
 
     if resume:
         if not (out / "checkpoints").is_dir():
             raise ValueError(f"--resume: {out} holds no checkpoints/ folder to resume from")
-        return
-    if out.exists() and any(out.iterdir()):
+        return False
+    if out.is_dir() and any(out.iterdir()):
+        if unfinished_run(out):
+            return True
         if (out / "checkpoints").is_dir():
             raise ValueError(f"--out {out}: already holds a run; pass --resume to continue it, or choose a new --out")
         raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
     check_output(out, overwrite=True, what="--out")
+    return False
+
+
+def start_over(out: Path) -> None:
+    """Clear what a run stopped before its first checkpoint left, but its token streams (`data/`, reused
+    only when the corpus and the rebuilt vocabulary are the same)."""
+    import shutil
+
+    logger.warning("--out %s: a run stopped before its first checkpoint; starting it over", out)
+    for name in ("tokenizer", "checkpoints", "tensorboard"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / "train_log.jsonl").unlink(missing_ok=True)
+
+
+def tensorboard_writer_class():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        reason = " ".join(str(error).split())
+        raise ValueError(
+            f"--tensorboard needs the tensorboard package, which is not importable ({reason}): pip install tensorboard"
+        ) from None
+    return SummaryWriter
+
+
+def check_arguments(args: argparse.Namespace, config: RunConfig) -> None:
+    """Command-line choices that need no data, checked before anything is written."""
+    init_from = config.model.get("init_from")
+    if args.vocab and not args.resume:
+        if init_from:
+            raise ValueError(f"--vocab cannot be combined with model.init_from (the tokenizer comes from {init_from})")
+        if not Path(args.vocab).is_file():
+            raise FileNotFoundError(f"--vocab {args.vocab}: no such file")
+    for name in ("max_steps", "corpus_lines"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 def quiet_libraries() -> None:
@@ -533,19 +649,34 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = load_run_config(_shipped(args.config, (".yaml", ".yml", ".json")))
     ds_path, ds_config = read_deepspeed_config(args.deepspeed)
+    # Everything that needs no data is checked before --out is touched, so a corrected command can rerun.
+    built = model_config(config, args.attention_type)
+    check_arguments(args, config)
+    writer_class = tensorboard_writer_class() if args.tensorboard else None
     out = Path(args.out)
-    check_out_folder(out, args.resume)
-    run_ = Run(args, config, ds_path, ds_config)
-    if run_.main:
-        out.mkdir(parents=True, exist_ok=True)
-        if args.tensorboard:
-            with contextlib.suppress(ImportError):
-                from torch.utils.tensorboard import SummaryWriter
+    restart = check_out_folder(out, args.resume)
+    run_ = Run(args, config, ds_path, ds_config, built)
+    try:
+        return _train(run_, out, restart, writer_class)
+    finally:
+        from .pretrain_engine import teardown_distributed
 
-                run_.writer = SummaryWriter(str(out / "tensorboard"))
+        teardown_distributed(run_.dist)
+
+
+def _train(run_: Run, out: Path, restart: bool, writer_class) -> int:
+    from .pretrain_engine import barrier
+
+    args = run_.args
     run_.check_stages()
-    run_.prepare_data()
     run_.resolve_deepspeed()
+    if args.resume:
+        run_.check_resumable()
+    if run_.main:  # the first write
+        if restart:
+            start_over(out)
+        out.mkdir(parents=True, exist_ok=True)
+    run_.prepare_data()
     if run_.ds_config["zero_optimization"].get("stage") == 3 and run_.dist.device.type == "cpu":
         from .pretrain_engine import release_large_frees
 
@@ -558,12 +689,17 @@ def run(args: argparse.Namespace) -> int:
             "model: %s, %.1fM parameters; DeepSpeed ZeRO-%d (%s), %s, %d process(es) on %s",
             run_.spec["architecture"], sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6,
             run_.zero_stage,
-            ds_path.name, args.precision, run_.dist.world_size, run_.dist.device.type,
-        )
-    run_.train()
+            run_.ds_path.name, args.precision, run_.dist.world_size, run_.dist.device.type,
+        )  # fmt: skip
+        if writer_class is not None:
+            run_.writer = writer_class(str(out / "tensorboard"))
+    try:
+        run_.train()
+    finally:
+        if run_.writer is not None:
+            run_.writer.close()
     run_.write_table()
     if not args.no_export:
-        from .pretrain_engine import barrier
         from .pretrain_export import export_checkpoint
 
         barrier()
@@ -571,9 +707,6 @@ def run(args: argparse.Namespace) -> int:
             export_checkpoint(out / "checkpoints", out / "model", overwrite=True)
             print(f"model folder: {out / 'model'}")
         barrier()
-    from .pretrain_engine import teardown_distributed
-
-    teardown_distributed(run_.dist)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The pretraining run description: a YAML/JSON file of stages (+ model, data, training knobs), validated.
 
-    model:            # RoFormerRopeConfig fields (or `init_from: FOLDER` to continue from a checkpoint)
+    model:            # RoFormerRopeConfig fields, checked (or only `init_from: FOLDER` to continue a checkpoint)
       hidden_size: 256
       num_hidden_layers: 4
       num_attention_heads: 4
@@ -164,6 +164,98 @@ def validate_stage(stage: Stage, where: str) -> None:
         raise ValueError(f"{where}: schedule must be one of {SCHEDULES}, got {stage.schedule!r}")
 
 
+# Keys of the `model:` section the code itself reads (the rest are fields of the architecture's config class),
+# and the pre-v5 rotary fields RoFormerRopeConfig still accepts (moved into `rope_parameters`).
+MODEL_KEYS = ("init_from",)
+LEGACY_ROFORMER_KEYS = ("rope_theta", "rope_scaling")
+
+
+def config_class(architecture: str):
+    """The transformers config class of an architecture ("roformer": RoFormerRopeConfig, "bert": BertConfig)."""
+    if architecture == "bert":
+        from transformers import BertConfig
+
+        return BertConfig
+    from modeling_roformer_rope import RoFormerRopeConfig
+
+    return RoFormerRopeConfig
+
+
+def model_fields(architecture: str) -> set[str]:
+    """The keys a `model:` section may hold. transformers v5 configs are `@strict` dataclasses whose generated
+    `__init__` passes unknown keyword arguments on as plain attributes (`accept_kwargs=True`), so a typo such
+    as `hidden_sizes` would silently leave the default; `dataclasses.fields` lists the real ones."""
+    cls = config_class(architecture)
+    names = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {})) | set(MODEL_KEYS)
+    if architecture == "roformer":
+        names |= set(LEGACY_ROFORMER_KEYS)
+    return names
+
+
+def _check_model_section(model: dict, architecture: str, source: str) -> None:
+    known = model_fields(architecture)
+    unknown = sorted(set(model) - known)
+    if unknown:
+        name = config_class(architecture).__name__
+        raise ValueError(f"{source}: model: unknown field(s) {unknown} (not {name} fields; see its docstring)")
+    init_from = model.get("init_from")
+    if init_from is not None:
+        if not isinstance(init_from, str) or not init_from:
+            raise ValueError(f"{source}: model.init_from must be a folder (or Hub id), got {init_from!r}")
+        others = sorted(set(model) - {"init_from"})
+        if others:
+            raise ValueError(
+                f"{source}: model: {others} cannot be combined with init_from (the model, its config and its "
+                f"tokenizer come from {init_from})"
+            )
+        if architecture != "roformer":
+            raise ValueError(f"{source}: model.init_from continues a RoFormer, not architecture {architecture}")
+
+
+def _one_line(error: BaseException) -> str:
+    """The reason of a (possibly multi-line) validation error, on one line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    reason = lines[-1] if lines else type(error).__name__
+    for prefix in ("ValueError: ", "TypeError: "):
+        reason = reason.removeprefix(prefix)
+    return reason
+
+
+def model_config(config: RunConfig, attention_type: str | None = None):
+    """The model's transformers config, built from the `model:` section without allocating weights, so a bad
+    section (heads that do not divide the width, a wrong type, an unknown `init_from`) and a stage longer than
+    `max_position_embeddings` are refused before anything is written. `vocab_size` is the class default here
+    (the run sets it from the tokenizer)."""
+    section = dict(config.model)
+    init_from = section.pop("init_from", None)
+    if init_from:
+        if attention_type:
+            raise ValueError(f"--attention-type cannot be combined with model.init_from ({init_from} sets it)")
+        from transformers import AutoConfig
+
+        try:
+            built = AutoConfig.from_pretrained(init_from, trust_remote_code=True)
+        except (OSError, ValueError) as error:
+            reason = f"model.init_from {init_from}: cannot load its config ({_one_line(error)})"
+            raise ValueError(f"{config.source}: {reason}") from None
+    else:
+        if attention_type:
+            section["attention_type"] = attention_type
+        section = {"max_position_embeddings": config.max_length, **section}
+        try:
+            built = config_class(config.architecture)(**section)
+        except Exception as error:  # noqa: BLE001 - strict dataclass validation raises its own error types
+            raise ValueError(f"{config.source}: model: {_one_line(error)}") from None
+    limit = built.max_position_embeddings
+    for stage in config.stages:
+        if stage.max_length > limit:
+            raise ValueError(
+                f"{config.source}: {stage.name}: max_length {stage.max_length} is longer than the model allows "
+                f"(max_position_embeddings = {limit}); raise model.max_position_embeddings"
+            )
+    return built
+
+
 def parse_run_config(data: dict, source: str = "<dict>") -> RunConfig:
     unknown = sorted(set(data) - {"stages", "model", "data", "train", "architecture"})
     if unknown:
@@ -181,6 +273,7 @@ def parse_run_config(data: dict, source: str = "<dict>") -> RunConfig:
     architecture = data.get("architecture", "roformer")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"{source}: architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    _check_model_section(model, architecture, source)
     config = RunConfig(
         stages=stages,
         model=dict(model),
@@ -189,10 +282,20 @@ def parse_run_config(data: dict, source: str = "<dict>") -> RunConfig:
         architecture=architecture,
         source=source,
     )
-    _check_number(source, "data.held_out_lines", config.data.held_out_lines, minimum=1)
-    _check_number(source, "data.eval_sequences", config.data.eval_sequences, minimum=1)
-    _check_number(source, "train.checkpoint_every", config.train.checkpoint_every, minimum=1)
-    _check_number(source, "train.keep_checkpoints", config.train.keep_checkpoints, minimum=1)
+    data_, train = config.data, config.train
+    for name in ("held_out_lines", "vocab_words", "vocab_min_char_count", "eval_sequences", "num_proc"):
+        _check_number(source, f"data.{name}", getattr(data_, name), minimum=1)
+    _check_number(source, "data.mlm_probability", data_.mlm_probability, float)
+    if not 0.0 < data_.mlm_probability < 1.0:
+        raise ValueError(f"{source}: data.mlm_probability must be in (0, 1), got {data_.mlm_probability}")
+    if not isinstance(data_.text_column, str) or not data_.text_column:
+        raise ValueError(f"{source}: data.text_column must be a column name, got {data_.text_column!r}")
+    _check_number(source, "train.seed", train.seed, minimum=0)
+    if train.micro_batch is not None:
+        _check_number(source, "train.micro_batch", train.micro_batch, minimum=1)
+    _check_number(source, "train.weight_decay", train.weight_decay, float, minimum=0.0)
+    for name in ("checkpoint_every", "keep_checkpoints", "log_every", "eval_batch"):
+        _check_number(source, f"train.{name}", getattr(train, name), minimum=1)
     return config
 
 
@@ -264,4 +367,53 @@ def fill_deepspeed_config(
     return config
 
 
-__all__ = ["RunConfig", "Stage", "fill_deepspeed_config", "load_run_config", "parse_run_config"]
+# DeepSpeed config sections read as JSON objects (here and by DeepSpeed).
+DEEPSPEED_SECTIONS = ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16")
+# The pydantic models DeepSpeed validates its sections with, and the section each one checks.
+_DEEPSPEED_MODELS = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+}
+
+
+def check_deepspeed_sections(config: dict, source: str) -> None:
+    for key in DEEPSPEED_SECTIONS:
+        if key in config and not isinstance(config[key], dict):
+            raise ValueError(f"{source}: {key} must be a JSON object, got {config[key]!r}")
+    params = config.get("optimizer", {}).get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: optimizer.params must be a JSON object, got {params!r}")
+
+
+def check_deepspeed_config(config: dict, source: str) -> None:
+    """Let DeepSpeed parse the resolved config (a ZeRO stage that does not exist, an unknown ZeRO key, a
+    batch that does not add up) now, not at `deepspeed.initialize` after the data is prepared. Needs the
+    process group (DeepSpeed reads the world size)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(json.loads(json.dumps(config)))
+    except Exception as error:  # noqa: BLE001 - pydantic, assertion and DeepSpeed's own errors
+        errors = getattr(error, "errors", None)
+        if callable(errors) and hasattr(error, "title"):  # pydantic: name the section and the field
+            where = _DEEPSPEED_MODELS.get(error.title, error.title)
+            reason = "; ".join(
+                f"{'.'.join([where, *map(str, e['loc'])])}: {e['msg']} (got {e.get('input')!r})" for e in errors()
+            )
+        else:
+            reason = _one_line(error)
+        raise ValueError(f"{source}: DeepSpeed refuses it: {reason}") from None
+
+
+__all__ = [
+    "RunConfig",
+    "Stage",
+    "check_deepspeed_config",
+    "check_deepspeed_sections",
+    "fill_deepspeed_config",
+    "load_run_config",
+    "model_config",
+    "model_fields",
+    "parse_run_config",
+]

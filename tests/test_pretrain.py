@@ -131,13 +131,16 @@ def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config
     assert not (run / "stage_table.json").exists()  # killed mid-stage 1
     resumed = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    want, got = losses(finished), losses(run)  # the resumed steps 5.. overwrite nothing: appended after 6
-    assert sorted(got) == list(range(1, 17))
+    want, got = losses(finished), losses(run)
     for step in range(1, 17):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
-    assert json.loads((run / "stage_table.json").read_text())[-1]["mlm_loss"] == pytest.approx(
-        json.loads((finished / "stage_table.json").read_text())[-1]["mlm_loss"], abs=1e-5
-    )
+    # The steps logged between the checkpoint and the kill were dropped from the log before training them again.
+    logged = [json.loads(line)["global_step"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 17))
+    table, full = (json.loads((folder / "stage_table.json").read_text()) for folder in (run, finished))
+    assert table[-1]["mlm_loss"] == pytest.approx(full[-1]["mlm_loss"], abs=1e-5)
+    # The resumed stage's row counts its tokens from the stage start (restored from the checkpoint).
+    assert [row["tokens"] for row in table] == [row["tokens"] for row in full]
 
 
 @pytest.mark.parametrize(
@@ -172,6 +175,106 @@ def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("roformer-rope pretrain: error:") and message in last, last
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _blocked(module: str) -> list[str]:
+    """A `pretrain` command line run with `module` not importable (as if it were not installed)."""
+    code = f"import sys; sys.modules[{module!r}] = None; import roformer_rope.scripts.pretrain as p; sys.exit(p.main())"
+    return ["-c", code]
+
+
+# fmt: off
+@pytest.mark.parametrize(
+    "change, args, message",
+    [
+        (("max_length: 64", "max_length: 128"), [], "long: max_length 128 is longer than the model allows (max_position_embeddings = 64)"),
+        (("embeddings: 64}", "embeddings: 64, hidden_sizes: 48}"), [], "model: unknown field(s) ['hidden_sizes']"),
+        (("num_attention_heads: 4", "num_attention_heads: 3"), [], "hidden_size (32) must be a multiple of num_attention_heads (3)"),
+        (("vocab_words: 300", "vocab_words: -5"), [], "data.vocab_words must be >= 1, got -5"),
+        (("micro_batch: 4", "micro_batch: 0"), [], "train.micro_batch must be >= 1, got 0"),
+        (None, ["--deepspeed", "batch7"], 'sets train_batch_size=7, but the stages need 8: use "auto"'),
+        (None, ["--deepspeed", "stage5"], "DeepSpeed refuses it: zero_optimization.stage: Input should be 0, 1, 2, 3"),
+        (None, ["--deepspeed", "typo"], "DeepSpeed refuses it: zero_optimization.overlap_comms: Extra inputs are not permitted"),
+        (None, ["--precision", "fp16"], "fp16 needs a GPU"),
+        (None, ["--vocab", "nosuch-vocab.txt"], "--vocab nosuch-vocab.txt: no such file"),
+        (None, ["--tensorboard", "BLOCK"], "--tensorboard needs the tensorboard package"),
+    ],
+)
+# fmt: on
+def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, change, args, message):
+    """Bad input that needs no data ends before --out exists, so the corrected command can simply be rerun."""
+    text = TINY.replace("intermediate_size: 64}", "intermediate_size: 64, max_position_embeddings: 64}")
+    if change:
+        assert change[0] in text
+        text = text.replace(*change)
+    cfg = tmp_path / "stages.yaml"
+    cfg.write_text(text)
+    if "--deepspeed" in args:
+        zero = {"stage": 2}
+        ds = {"batch7": {"train_batch_size": 7, "zero_optimization": zero}, "stage5": {"zero_optimization": {"stage": 5}},
+              "typo": {"zero_optimization": {**zero, "overlap_comms": True}}}[args[1]]  # fmt: skip
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+        args = ["--deepspeed", str(tmp_path / "ds.json")]
+    command = ["-m", "roformer_rope.scripts.pretrain"]
+    if "BLOCK" in args:
+        command, args = _blocked("tensorboard"), ["--tensorboard"]
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run(
+        [sys.executable, *command, "--config", str(cfg), "--out", str(run), *LINES, *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("roformer-rope pretrain: error:") and message in last, last
+    assert not run.exists()
+
+
+def test_an_empty_corpus_file_is_named(tmp_path, config):
+    corpus = tmp_path / "empty.txt"
+    corpus.write_bytes(b"")
+    result = pretrain("--config", str(config), "--out", str(tmp_path / "run"), "--corpus", str(corpus))
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"roformer-rope pretrain: error: --corpus: the corpus {corpus} is empty (0 bytes)", last
+
+
+def test_a_refused_resume_leaves_the_run_untouched(finished, config, tmp_path):
+    """Resuming with another corpus is refused before the run's token streams are replaced."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    result = pretrain("--config", str(config), "--out", str(run), "--resume", "--corpus-lines", "650")
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--resume: checkpoint stage3-step0 was made from other data" in last, last
+    after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert sorted(after) == sorted(before) and all(after[p] == before[p] for p in before)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path):
+    """What a run interrupted (or failed on its data) before its first checkpoint left is not a run to resume:
+    the same command starts it over instead of refusing a non-empty --out."""
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "vocab.txt").write_text("[PAD]\n")  # a stale tokenizer: rebuilt
+    (run / "checkpoints" / ".partial-stage1-step4").mkdir(parents=True)
+    (run / "train_log.jsonl").write_text('{"global_step": 1, "loss": 99.0}\n{"global_step": 2, "lo')
+    resumed = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES)
+    assert resumed.returncode == 2 and "holds no complete checkpoint to resume from" in resumed.stderr
+    assert "without --resume to start it over" in resumed.stderr
+    result = pretrain("--config", str(config), "--out", str(run), *LINES, "--max-steps", "1", "--no-export")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(losses(run)) == [1, 2] and 99.0 not in losses(run).values()
+    assert len((run / "tokenizer" / "vocab.txt").read_text().splitlines()) > 300
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "stage2-step0", "stage3-step0"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "tokenizer").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a run")  # anything else: refused as before
+    refused = pretrain("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
+    assert refused.returncode == 2 and "exists and is not empty" in refused.stderr
 
 
 def test_an_existing_run_is_never_restarted_over(finished, config):

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from roformer_rope.scripts import mlm_data
 from roformer_rope.scripts.pretrain_config import Stage, parse_run_config
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+ONE_STAGE = {"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3}]}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +137,7 @@ def test_stage_schedule_rewarms_and_decays():
     assert cosine.lr_at(0) == pytest.approx(1.0) and cosine.lr_at(10) == pytest.approx(0.55)
 
 
+# fmt: off
 @pytest.mark.parametrize(
     "data, message",
     [
@@ -145,8 +148,16 @@ def test_stage_schedule_rewarms_and_decays():
         ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3, "warmup_steps": 9}]}, "warmup_steps must be <= 5"),
         ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3, "schedule": "step"}]}, "schedule must be one of"),
         ({"stages": [{"max_length": 128, "global_batch": 8, "steps": 5, "lr": 1e-3}], "optim": {}}, "unknown section"),
+        ({**ONE_STAGE, "data": {"vocab_words": -5}}, "data.vocab_words must be >= 1, got -5"),
+        ({**ONE_STAGE, "train": {"micro_batch": 0}}, "train.micro_batch must be >= 1, got 0"),
+        ({**ONE_STAGE, "train": {"seed": -1}}, "train.seed must be >= 0"),
+        ({**ONE_STAGE, "data": {"mlm_probability": 1.5}}, r"data.mlm_probability must be in \(0, 1\)"),
+        ({**ONE_STAGE, "model": {"hidden_sizes": 64, "num_layers": 2}}, r"model: unknown field\(s\) \['hidden_sizes', 'num_layers'\]"),
+        ({**ONE_STAGE, "architecture": "bert", "model": {"rotary_value": True}}, r"unknown field\(s\) \['rotary_value'\] \(not BertConfig"),
+        ({**ONE_STAGE, "model": {"init_from": "ckpt", "hidden_size": 64}}, r"\['hidden_size'\] cannot be combined with init_from"),
     ],
 )
+# fmt: on
 def test_bad_stage_configs_name_the_problem(data, message):
     with pytest.raises(ValueError, match=message):
         parse_run_config(data, "stages.yaml")
@@ -179,6 +190,87 @@ def test_deepspeed_auto_values_come_from_the_run():
     with pytest.raises(ValueError, match='sets train_batch_size=64, but the stages need 32: use "auto"'):
         fill_deepspeed_config(fixed, micro_batch=4, global_batch=32, world_size=2, precision="fp32",
                               lr=1e-3, weight_decay=0.0, on_cpu=True, hidden_size=256)  # fmt: skip
+
+
+def test_model_section_keys_and_values_are_checked_without_building_the_model():
+    from roformer_rope.scripts.pretrain_config import model_config
+
+    fields = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": 5000.0}
+    built = model_config(parse_run_config({**ONE_STAGE, "model": fields}, "s.yaml"))
+    assert (built.hidden_size, built.max_position_embeddings, built.rope_parameters["rope_theta"]) == (64, 128, 5000.0)
+    assert model_config(parse_run_config({**ONE_STAGE, "model": {"max_position_embeddings": 512}})).max_position_embeddings == 512
+    with pytest.raises(ValueError, match=r"^s.yaml: model: hidden_size \(64\) must be a multiple of num_attention_heads \(3\)$"):
+        model_config(parse_run_config({**ONE_STAGE, "model": {**fields, "num_attention_heads": 3}}, "s.yaml"))
+    with pytest.raises(ValueError, match="s.yaml: model: .*expected int, got str"):
+        model_config(parse_run_config({**ONE_STAGE, "model": {"hidden_size": "64"}}, "s.yaml"))
+    with pytest.raises(ValueError, match=r"stage 1: max_length 128 is longer than the model allows \(max_position_embeddings = 64\)"):
+        model_config(parse_run_config({**ONE_STAGE, "model": {"max_position_embeddings": 64}}, "s.yaml"))
+    with pytest.raises(ValueError, match="model.init_from /nonexistent/ckpt: cannot load its config"):
+        model_config(parse_run_config({**ONE_STAGE, "model": {"init_from": "/nonexistent/ckpt"}}, "s.yaml"))
+
+
+def test_an_empty_corpus_file_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=f"^--corpus: the corpus {tmp_path / 'empty.txt'} is empty \\(0 bytes\\)$"):
+        mlm_data.load_texts([str(tmp_path / "empty.txt")])
+    (tmp_path / "one.txt").write_text("今天天气非常好。\n", encoding="utf-8")  # an empty file among others is fine
+    assert mlm_data.load_texts([str(tmp_path / "empty.txt"), str(tmp_path / "one.txt")])["text"] == ["今天天气非常好。"]
+
+
+def test_a_vocabulary_of_special_tokens_only_is_refused(tmp_path):
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    (tmp_path / "vocab.txt").write_text("\n".join(SPECIAL) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="the vocabulary holds only special tokens"):
+        mlm_data.WholeWordMasker(RoFormerRopeTokenizer(vocab_file=str(tmp_path / "vocab.txt")))
+
+
+def test_a_staged_stream_replaces_the_folder_only_when_accepted(tokenizer, tmp_path):
+    import datasets
+
+    folder = tmp_path / "train"
+    old = stream_of(["今天天气非常好。"], tokenizer, folder).num_tokens
+    longer = datasets.Dataset.from_dict({"text": ["今天天气非常好。" * 3]})
+    with pytest.raises(RuntimeError, match="refused"):
+        with mlm_data.staged_stream(longer, tokenizer, folder) as stream:
+            assert stream.num_tokens == 3 * old  # the new stream can be checked before it replaces the folder
+            raise RuntimeError("refused")
+    assert mlm_data.TokenStream.load(folder).num_tokens == old and sorted(p.name for p in tmp_path.iterdir()) == ["train"]
+    with mlm_data.staged_stream(longer, tokenizer, folder):
+        pass
+    assert mlm_data.TokenStream.load(folder).num_tokens == 3 * old
+
+
+def test_deepspeed_sections_are_checked_by_deepspeed():
+    """A ZeRO stage that does not exist or a misspelt ZeRO key is refused when the config is resolved, naming
+    the field (DeepSpeed reads the world size: a process group of one, in a child process)."""
+    import subprocess
+
+    code = textwrap.dedent(
+        """
+        from roformer_rope.scripts.pretrain_config import check_deepspeed_config, check_deepspeed_sections
+        from roformer_rope.scripts.pretrain_engine import setup_distributed
+
+        setup_distributed()
+        for config in ({"zero_optimization": {"stage": 5}}, {"zero_optimization": {"stage": 2, "overlap_comms": True}},
+                       {"train_batch_size": 8, "zero_optimization": {"stage": 2}}):
+            try:
+                check_deepspeed_config(config, "ds.json")
+                print("accepted")
+            except ValueError as error:
+                print(error)
+        try:
+            check_deepspeed_sections({"zero_optimization": "two"}, "ds.json")
+        except ValueError as error:
+            print(error)
+        """
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=True)
+    lines = out.stdout.strip().splitlines()[-4:]
+    assert lines[0].startswith("ds.json: DeepSpeed refuses it: zero_optimization.stage: Input should be 0, 1, 2, 3")
+    assert lines[1].startswith("ds.json: DeepSpeed refuses it: zero_optimization.overlap_comms: Extra inputs are not permitted")
+    assert lines[2:] == ["accepted", "ds.json: zero_optimization must be a JSON object, got 'two'"]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
