@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,8 +179,8 @@ def convert_checkpoint(
         model.save_pretrained(tmp)
         save_tokenizer(folder, tmp, model_max_length=model.config.max_position_embeddings)
         result.max_abs_diff = verify_folder(model, tmp)
-        # `--checkpoint .` names no release: its resolved folder does (an absolute path is not put in the card)
-        name = folder.resolve().name
+        # `--checkpoint .` names no release: its folder does (made absolute, symlinks kept as the user named them)
+        name = Path(os.path.abspath(folder)).name
         source = str(checkpoint) if Path(checkpoint).name not in ("", ".", "..") else name
         values = tf_card_values(result, model.config, source, name, repo_id, license)
         (tmp / "README.md").write_text(render_model_card(values), encoding="utf-8")

@@ -309,6 +309,17 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             self.config.num_attention_heads,
             self.config._attn_implementation,
         )
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 4
+            and attention_mask.shape[2] == 1 < (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            and (self.config.is_decoder or (self.config.unilm_mask and token_type_ids is not None))
+        ):
+            # a 4-D mask is used as given, so one row broadcast over the queries would drop the causal/UniLM rule
+            raise ValueError(
+                f"a 4-D attention_mask with one query row {tuple(attention_mask.shape)} would replace the "
+                f"{'causal' if self.config.is_decoder else 'UniLM'} mask: pass the 2-D (batch, keys) padding mask"
+            )
 
         hidden_states = self.embeddings(input_ids, token_type_ids, inputs_embeds)  # (B, T, E)
         if hasattr(self, "embeddings_project"):
@@ -611,9 +622,8 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer with a span-extraction head (start/end logits) for extractive QA.")
 class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
-    # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
-    # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
-    # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
+    # Its loss is a mean over this batch that ignores `num_items_in_batch`: with this False the Trainer divides it
+    # by the gradient-accumulation steps itself (seeing **kwargs in `forward`, it would assume the model had).
     accepts_loss_kwargs = False
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
@@ -660,9 +670,8 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer scoring each of several choices (input shape (batch, num_choices, seq_len)).")
 class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
-    # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
-    # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
-    # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
+    # Its loss is a mean over this batch that ignores `num_items_in_batch`: with this False the Trainer divides it
+    # by the gradient-accumulation steps itself (seeing **kwargs in `forward`, it would assume the model had).
     accepts_loss_kwargs = False
 
     def __init__(self, config: RoFormerRopeConfig) -> None:

@@ -38,6 +38,7 @@ import re
 
 from transformers.tokenization_utils_base import BatchEncoding, PaddingStrategy, TruncationStrategy
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from transformers.utils import logging
 
 from .added_tokens_roformer_rope import AddedTokenMatcher, added_token_matchers
 from .jieba_roformer_rope import JiebaSegmenter, JiebaWord, as_jieba_words, read_jieba_dict, write_jieba_dict
@@ -180,6 +181,11 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         if word_segmentation == "auto":
             word_segmentation = "jieba" if any(_CJK_WORD(token) for token in vocab) else "none"
         self._use_jieba = word_segmentation == "jieba"
+        if not self._use_jieba and (jieba_dict_file or jieba_words):
+            logging.get_logger(__name__).warning(
+                "word_segmentation='none' (a character-level vocabulary, or asked for): the jieba words are kept "
+                "but not used; pass word_segmentation='jieba' to segment with them"
+            )
 
         custom = read_jieba_dict(jieba_dict_file) if jieba_dict_file else []
         self._segmenter = JiebaSegmenter(custom + as_jieba_words(jieba_words or []))

@@ -180,6 +180,9 @@ def stream_fingerprint(texts, tokenizer) -> str:
     h.update(texts._fingerprint.encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False).encode())
     h.update(json.dumps(sorted(map(str, getattr(tokenizer, "jieba_words", [])))).encode())
+    # how text is cut before WordPiece (jieba or not, lower case): the same vocabulary can give other ids
+    settings = {k: tokenizer.init_kwargs.get(k) for k in ("word_segmentation", "do_lower_case", "strip_accents")}
+    h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 

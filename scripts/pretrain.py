@@ -566,14 +566,23 @@ class Run:
 
 
 # What a run writes before its first checkpoint.
-EARLY_ENTRIES = frozenset({"tokenizer", "data", "checkpoints", "train_log.jsonl", "tensorboard"})
+# Written into --out at a run's first write: only a folder carrying it can be started over (never a user's own).
+RUN_MARKER = ".roformer_rope_run"
+EARLY_ENTRIES = frozenset({RUN_MARKER, "tokenizer", "data", "checkpoints", "train_log.jsonl", "tensorboard"})
 
 
 def unfinished_run(out: Path) -> bool:
     """Whether `out` was left by a run stopped before its first complete checkpoint (interrupted, or failed on
     its data): only what such a run writes, a tokenizer, and no `checkpoints/latest`."""
     names = {path.name for path in out.iterdir()}
-    return names <= EARLY_ENTRIES and "tokenizer" in names and not (out / "checkpoints" / "latest").exists()
+    # any finished checkpoint (even one whose `latest` pointer was never written: a kill between the two) is a run
+    saved = any((out / "checkpoints").glob("*/run_state.json"))
+    return (
+        names <= EARLY_ENTRIES
+        and RUN_MARKER in names
+        and not saved
+        and not (out / "checkpoints" / "latest").exists()
+    )
 
 
 def check_out_folder(out: Path, resume: bool) -> bool:
@@ -624,6 +633,8 @@ def check_arguments(args: argparse.Namespace, config: RunConfig) -> None:
             raise ValueError(f"--vocab cannot be combined with model.init_from (the tokenizer comes from {init_from})")
         if not Path(args.vocab).is_file():
             raise FileNotFoundError(f"--vocab {args.vocab}: no such file")
+        if Path(args.out).resolve() in Path(args.vocab).resolve().parents:
+            raise ValueError(f"--vocab {args.vocab} lies inside --out {args.out}: a run rewrites its folder")
     for name in ("max_steps", "corpus_lines"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -676,6 +687,7 @@ def _train(run_: Run, out: Path, restart: bool, writer_class) -> int:
         if restart:
             start_over(out)
         out.mkdir(parents=True, exist_ok=True)
+        (out / RUN_MARKER).write_text("a roformer-rope pretrain run: the same command may start it over\n")
     run_.prepare_data()
     if run_.ds_config["zero_optimization"].get("stage") == 3 and run_.dist.device.type == "cpu":
         from .pretrain_engine import release_large_frees

@@ -166,7 +166,8 @@ def validate_stage(stage: Stage, where: str) -> None:
 
 # Keys of the `model:` section the code itself reads (the rest are fields of the architecture's config class),
 # and the pre-v5 rotary fields RoFormerRopeConfig still accepts (moved into `rope_parameters`).
-MODEL_KEYS = ("init_from",)
+# consumed by the run (init_from) or accepted by every transformers config's constructor (the attention backend)
+MODEL_KEYS = ("init_from", "attn_implementation")
 LEGACY_ROFORMER_KEYS = ("rope_theta", "rope_scaling")
 
 

@@ -183,3 +183,11 @@ def test_standalone_module_entry_point(tiny_corpus, tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert _read(out)[-2:] == ["北京", "喜欢"]
+
+
+def test_corpus_lines_end_at_bare_carriage_returns_too(tmp_path):
+    from roformer_rope.tokenization.corpus import read_text_files
+
+    old_mac = tmp_path / "mac.txt"
+    old_mac.write_bytes("今天\r天气\r\n好\n\n".encode())
+    assert list(read_text_files([old_mac])) == ["今天", "天气", "好"]

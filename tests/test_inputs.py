@@ -138,3 +138,15 @@ def test_cross_attention_inputs_are_refused_not_ignored():
             model(input_ids=batch["input_ids"], **{name: torch.ones(2, 4, 32)})
     with pytest.raises(Exception, match="add_cross_attention=True: RoFormer has no cross-attention"):
         tiny_config(is_decoder=True, add_cross_attention=True)
+
+
+@pytest.mark.parametrize("overrides", [dict(is_decoder=True), dict(unilm_mask=True)], ids=["causal", "unilm"])
+def test_one_row_4d_mask_is_refused_where_it_would_drop_the_model_s_own_mask(overrides):
+    model = model_of(**overrides)
+    batch = padded_batch()
+    keep = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, S)
+    with pytest.raises(ValueError, match="would replace the (causal|UniLM) mask: pass the 2-D"):
+        model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"], attention_mask=keep)
+    if overrides.get("is_decoder"):  # a decoding step (one query) may take it: nothing to broadcast over
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"][:, :1], attention_mask=keep[..., :1])

@@ -259,6 +259,7 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path)
     the same command starts it over instead of refusing a non-empty --out."""
     run = tmp_path / "run"
     (run / "tokenizer").mkdir(parents=True)
+    (run / ".roformer_rope_run").write_text("")  # what a run writes first
     (run / "tokenizer" / "vocab.txt").write_text("[PAD]\n")  # a stale tokenizer: rebuilt
     (run / "checkpoints" / ".partial-stage1-step4").mkdir(parents=True)
     (run / "train_log.jsonl").write_text('{"global_step": 1, "loss": 99.0}\n{"global_step": 2, "lo')
@@ -275,6 +276,20 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path)
     (tmp_path / "mine" / "notes.txt").write_text("not a run")  # anything else: refused as before
     refused = pretrain("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
     assert refused.returncode == 2 and "exists and is not empty" in refused.stderr
+    # a user's folder shaped like a run (no marker) and a run whose checkpoint finished without its
+    # `latest` pointer (killed in between) are never cleared
+    (tmp_path / "mine" / "notes.txt").unlink()
+    (tmp_path / "mine" / "tokenizer" / "vocab.txt").write_text("[PAD]\n")
+    refused = pretrain("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
+    assert refused.returncode == 2 and (tmp_path / "mine" / "tokenizer" / "vocab.txt").exists()
+    killed = tmp_path / "killed"
+    (killed / "checkpoints" / "stage1-step4").mkdir(parents=True)
+    (killed / ".roformer_rope_run").write_text("")
+    (killed / "checkpoints" / "stage1-step4" / "run_state.json").write_text("{}")
+    refused = pretrain("--config", str(config), "--out", str(killed), *LINES)
+    assert refused.returncode == 2 and (killed / "checkpoints" / "stage1-step4" / "run_state.json").exists()
+    inside = pretrain("--config", str(config), "--out", str(run), "--vocab", str(run / "tokenizer" / "vocab.txt"), *LINES)
+    assert inside.returncode == 2 and "lies inside --out" in inside.stderr
 
 
 def test_an_existing_run_is_never_restarted_over(finished, config):

@@ -66,3 +66,19 @@ def test_word_segmentation_is_saved_resolved_and_checked(tmp_path):
     assert reloaded.tokenize("１９９８年") == tokenizer.tokenize("１９９８年")
     with pytest.raises(ValueError, match="word_segmentation must be one of"):
         RoFormerRopeTokenizer(vocab_file=str(FIXTURES / "vocab_chars.txt"), word_segmentation="words")
+
+
+def test_cached_token_streams_know_the_segmentation_mode():
+    """The same vocabulary cut with or without jieba gives other ids: a pretraining stream made one way is not
+    reused for the other."""
+    from types import SimpleNamespace
+
+    from roformer_rope.scripts.mlm_data import stream_fingerprint
+
+    texts = SimpleNamespace(_fingerprint="corpus")
+    vocab = str(FIXTURES / "vocab_chars.txt")
+    prints = {
+        mode: stream_fingerprint(texts, RoFormerRopeTokenizer(vocab_file=vocab, word_segmentation=mode))
+        for mode in ("jieba", "none")
+    }
+    assert prints["jieba"] != prints["none"]

@@ -35,11 +35,13 @@ def _read_lines(path: Path) -> Iterator[str]:
     with path.open("rb") as handle:  # decoded line by line, so an error can name its line
         for number, raw in enumerate(handle, start=1):
             try:
-                line = raw.decode("utf-8").strip()
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(f"{path}: line {number} is not UTF-8 text ({error.reason})") from None
-            if line:
-                yield line
+            for line in text.split("\r"):  # a bare \r ends a line too, as in text mode (\r\n leaves "\n")
+                line = line.strip()
+                if line:
+                    yield line
 
 
 def untag(tagged_line: str) -> str:
