@@ -287,15 +287,18 @@ def _attention_parts_at(batch: int, length: int, reps: int, rows: int, H: int = 
     p_block = torch.randn(rows, length, dtype=torch.bfloat16)  # (rows, T) probabilities, bf16
     s_out = torch.empty(rows, length, dtype=torch.bfloat16)  # (rows, T) scores
     o_out = torch.empty(rows, D, dtype=torch.bfloat16)  # (rows, D)
-    blocks = batch * H * -(-length // rows)  # (head, query block) pairs per layer
+    full, tail = divmod(length, rows)  # query blocks of `rows` per head, and one of `tail` rows if T is not a multiple
     scores = batch * H * length * length  # exps per layer
     chunk, out = torch.randn(1 << 17), torch.empty(1 << 17)  # 512 KiB float32 each: both stay in L2
     exp_calls = -(-scores // chunk.numel())
 
     def gemms():
-        for _ in range(blocks):
+        for _ in range(batch * H * full):
             torch.mm(q_block, keys_t, out=s_out)  # QKᵀ: (rows, T)
             torch.mm(p_block, values, out=o_out)  # PV: (rows, D)
+        for _ in range(batch * H if tail else 0):
+            torch.mm(q_block[:tail], keys_t, out=s_out[:tail])  # (tail, T)
+            torch.mm(p_block[:tail], values, out=o_out[:tail])  # (tail, D)
 
     def exps():
         for _ in range(exp_calls):

@@ -7,7 +7,7 @@ The figures README quotes from the experiments and the profiler (scripts that pr
 come from this log, so each can be traced to the command, the CPU (model, ISA flags), the commit and the
 load it ran under. Default log: `bench/results/<cpu folder>/experiments.md` (one per CPU kind, like
 `run_all.py`'s folders). The command runs from the repository root; its exit status is returned, and a
-failed command is logged as failed.
+failed command is logged as failed, with the last lines of its stderr.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def main() -> int:
         "```",
         "",
     ]
+    if run.returncode != 0:  # why it failed: the end of stderr (progress bars and warnings come before it)
+        tail = [line.rstrip() for line in run.stderr.replace("\r", "\n").splitlines() if line.strip()][-20:]
+        lines[-1:-1] = ["", "stderr (last lines):", "", "```", *tail, "```"]
     new = not os.path.exists(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "a") as f:

@@ -307,7 +307,11 @@ class Run:
     def start_engine(self, model: torch.nn.Module) -> None:
         from .pretrain_engine import build_engine
 
-        self.engine = build_engine(model, self.ds_config, self.config.train.weight_decay)
+        try:
+            self.engine = build_engine(model, self.ds_config, self.config.train.weight_decay)
+        except Exception as error:  # noqa: BLE001 - DeepSpeed raises assertions, ValueErrors, its own types
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise ValueError(f"--deepspeed {self.ds_path}: DeepSpeed could not start the engine: {reason}") from error
         self.zero_stage = self.engine.zero_optimization_stage()
         self.dtype = next(self.engine.module.parameters()).dtype
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,20 @@ class RunConfig:
         return out
 
 
+def _yaml_load(text: str) -> Any:
+    """`yaml.safe_load`, except that `1e-3` is the number it reads as in YAML 1.2 and JSON, not a string.
+
+    PyYAML follows YAML 1.1, whose floats need a dot (`1.0e-3`): `lr: 1e-3` would be the string "1e-3"."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent_float = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")  # no dot: YAML 1.1's own float form has one
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_float, list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
@@ -116,9 +131,7 @@ def _read(path: Path) -> dict:
         if path.suffix.lower() == ".json":
             data = json.loads(text)
         else:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _yaml_load(text)
     except Exception as error:  # noqa: BLE001 - yaml and json raise different types
         reason = " ".join(str(error).split())  # one line: yaml's messages span several
         raise ValueError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({reason})") from None
@@ -378,13 +391,41 @@ _DEEPSPEED_MODELS = {
 }
 
 
+def _known_optimizer(name: str) -> bool:
+    """A name `deepspeed.initialize` can build: one of DeepSpeed's own, or a class of `torch.optim`."""
+    try:
+        from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    except ImportError:  # checked again by DeepSpeed itself when the engine starts
+        return True
+    import torch
+
+    return name.lower() in DEEPSPEED_OPTIMIZERS or isinstance(getattr(torch.optim, name, None), type)
+
+
 def check_deepspeed_sections(config: dict, source: str) -> None:
+    """What DeepSpeed's own config parser lets through and `deepspeed.initialize` would refuse (or silently
+    override) only after the data is prepared."""
     for key in DEEPSPEED_SECTIONS:
         if key in config and not isinstance(config[key], dict):
             raise ValueError(f"{source}: {key} must be a JSON object, got {config[key]!r}")
-    params = config.get("optimizer", {}).get("params", {})
+    if "scheduler" in config:
+        raise ValueError(
+            f"{source}: scheduler: the stages set the learning rate (warm-up and decay in each stage of --config); "
+            "remove this section"
+        )
+    optimizer = config.get("optimizer", {})
+    params = optimizer.get("params", {})
     if not isinstance(params, dict):
         raise ValueError(f"{source}: optimizer.params must be a JSON object, got {params!r}")
+    kind = optimizer.get("type", "AdamW")
+    if not isinstance(kind, str) or not _known_optimizer(kind):
+        raise ValueError(
+            f"{source}: optimizer.type {kind!r} is neither a DeepSpeed optimizer (Adam, AdamW, Lamb, Lion, ...) "
+            "nor a torch.optim class"
+        )
+    clipping = config.get("gradient_clipping", 0.0)
+    if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or clipping < 0:
+        raise ValueError(f"{source}: gradient_clipping must be a number >= 0, got {clipping!r}")
 
 
 def check_deepspeed_config(config: dict, source: str) -> None:

@@ -146,20 +146,35 @@ def test_untag_recovers_raw_text():
 
 
 def test_bad_input_exits_nonzero_with_one_line(tmp_path, capsys):
-    assert _run("--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "v.txt")) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "missing.txt" in err and "\n" not in err
+    def fails(*argv: str) -> str:
+        assert build_vocab.main([*argv, "--out", str(tmp_path / "v.txt"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("build-vocab: error: ") and "\n" not in err, err
+        assert not (tmp_path / "v.txt").exists()
+        return err
+
+    assert "corpus file not found" in fails("--corpus", str(tmp_path / "missing.txt"))
+    assert "--words >= 0" in fails("--words", "-1")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n", encoding="utf-8")
-    assert _run("--corpus", str(empty), "--out", str(tmp_path / "v.txt")) == 2
-    assert not (tmp_path / "v.txt").exists()
-    capsys.readouterr()
+    assert "no non-empty line" in fails("--corpus", str(empty))
     latin = tmp_path / "latin.txt"
     latin.write_bytes("今天\n".encode() + b"ok\n\xff\xfe bad\n")
-    assert _run("--corpus", str(latin), "--out", str(tmp_path / "v.txt")) == 2
+    assert "latin.txt: line 3 is not UTF-8 text" in fails("--corpus", str(latin))
+    good = tmp_path / "good.txt"
+    good.write_text("我喜欢北京\n", encoding="utf-8")
+    assert build_vocab.main(["--corpus", str(good), "--out", str(good), "--no-progress"]) == 2  # --out is the corpus
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "latin.txt: line 3 is not UTF-8 text" in err and "\n" not in err
-    assert not (tmp_path / "v.txt").exists()
+    assert err.startswith("build-vocab: error: ") and "--out" in err and "\n" not in err
+    assert good.read_text(encoding="utf-8") == "我喜欢北京\n"
+
+
+def test_cli_errors_carry_the_command_prefix(tmp_path, capsys):
+    from roformer_rope.cli import main
+
+    assert main(["build-vocab", "--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "v.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("roformer-rope build-vocab: error: corpus file not found") and "missing.txt" in err
 
 
 def test_standalone_module_entry_point(tiny_corpus, tmp_path):

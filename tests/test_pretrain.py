@@ -152,6 +152,7 @@ def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config
         ("too_long", [], "max_length 4096 is longer than the model allows"),
         ("uneven", [], "not divisible by the micro batch"),
         ("resume_nothing", ["--resume"], "holds no checkpoints/ folder"),
+        ("lamb", [], "ds.json: DeepSpeed could not start the engine: "),  # DeepSpeed's Lamb needs a GPU kernel
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message):
@@ -166,6 +167,9 @@ def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message):
     elif make == "uneven":
         cfg = tmp_path / "uneven.yaml"
         cfg.write_text(TINY.replace("micro_batch: 4", "micro_batch: 3"))
+    elif make == "lamb":
+        (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}}))
+        args = ["--deepspeed", str(tmp_path / "ds.json")]
     if make == "empty":
         corpus = tmp_path / "empty.txt"
         corpus.write_text("\n\n   \n")
@@ -195,6 +199,7 @@ def _blocked(module: str) -> list[str]:
         (None, ["--deepspeed", "batch7"], 'sets train_batch_size=7, but the stages need 8: use "auto"'),
         (None, ["--deepspeed", "stage5"], "DeepSpeed refuses it: zero_optimization.stage: Input should be 0, 1, 2, 3"),
         (None, ["--deepspeed", "typo"], "DeepSpeed refuses it: zero_optimization.overlap_comms: Extra inputs are not permitted"),
+        (None, ["--deepspeed", "scheduler"], "ds.json: scheduler: the stages set the learning rate"),
         (None, ["--precision", "fp16"], "fp16 needs a GPU"),
         (None, ["--vocab", "nosuch-vocab.txt"], "--vocab nosuch-vocab.txt: no such file"),
         (None, ["--tensorboard", "BLOCK"], "--tensorboard needs the tensorboard package"),
@@ -212,7 +217,8 @@ def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, chan
     if "--deepspeed" in args:
         zero = {"stage": 2}
         ds = {"batch7": {"train_batch_size": 7, "zero_optimization": zero}, "stage5": {"zero_optimization": {"stage": 5}},
-              "typo": {"zero_optimization": {**zero, "overlap_comms": True}}}[args[1]]  # fmt: skip
+              "typo": {"zero_optimization": {**zero, "overlap_comms": True}},
+              "scheduler": {"zero_optimization": zero, "scheduler": {"type": "WarmupLR", "params": {}}}}[args[1]]  # fmt: skip
         (tmp_path / "ds.json").write_text(json.dumps(ds))
         args = ["--deepspeed", str(tmp_path / "ds.json")]
     command = ["-m", "roformer_rope.scripts.pretrain"]

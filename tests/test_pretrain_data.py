@@ -209,6 +209,33 @@ def test_model_section_keys_and_values_are_checked_without_building_the_model():
         model_config(parse_run_config({**ONE_STAGE, "model": {"init_from": "/nonexistent/ckpt"}}, "s.yaml"))
 
 
+def test_yaml_exponent_numbers_without_a_dot_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads `1e-3` as a string; the run config reads it as YAML 1.2 and JSON do."""
+    from roformer_rope.scripts.pretrain_config import load_run_config, model_config
+
+    path = tmp_path / "stages.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            model: {hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, layer_norm_eps: 1E-7}
+            stages:
+              - {max_length: 128, global_batch: 8, steps: 10, lr: 1e-3, warmup_steps: 2, min_lr_ratio: 5e-1}
+              - {max_length: 64, global_batch: 8, steps: 10, lr: -2.5e+0}
+            train: {weight_decay: 1.0e-2}
+            """
+        ),
+        encoding="utf-8",
+    )
+    with pytest.raises(ValueError, match="lr must be >= 0.0, got -2.5"):
+        load_run_config(path)
+    path.write_text(path.read_text(encoding="utf-8").replace("-2.5e+0", "2e-4"), encoding="utf-8")
+    config = load_run_config(path)
+    first, second = config.stages
+    assert (first.lr, first.min_lr_ratio, second.lr, config.train.weight_decay) == (1e-3, 0.5, 2e-4, 0.01)
+    assert type(first.steps) is int and first.steps == 10  # integers stay integers
+    assert model_config(config).layer_norm_eps == 1e-7
+
+
 def test_an_empty_corpus_file_is_named(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match=f"^--corpus: the corpus {tmp_path / 'empty.txt'} is empty \\(0 bytes\\)$"):
@@ -271,6 +298,25 @@ def test_deepspeed_sections_are_checked_by_deepspeed():
     assert lines[0].startswith("ds.json: DeepSpeed refuses it: zero_optimization.stage: Input should be 0, 1, 2, 3")
     assert lines[1].startswith("ds.json: DeepSpeed refuses it: zero_optimization.overlap_comms: Extra inputs are not permitted")
     assert lines[2:] == ["accepted", "ds.json: zero_optimization must be a JSON object, got 'two'"]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"scheduler": {"type": "WarmupLR", "params": {}}}, "ds.json: scheduler: the stages set the learning rate"),
+        ({"optimizer": {"type": "AdamWW"}}, "ds.json: optimizer.type 'AdamWW' is neither a DeepSpeed optimizer"),
+        ({"optimizer": {"type": "sgd"}}, "ds.json: optimizer.type 'sgd' is neither"),  # torch.optim names are case-sensitive
+        ({"gradient_clipping": "1.0"}, "ds.json: gradient_clipping must be a number >= 0, got '1.0'"),
+        ({"gradient_clipping": -1}, "ds.json: gradient_clipping must be a number >= 0, got -1"),
+    ],
+)
+def test_deepspeed_sections_deepspeed_would_refuse_late_are_refused_early(config, message):
+    from roformer_rope.scripts.pretrain_config import check_deepspeed_sections
+
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check_deepspeed_sections(config, "ds.json")
+    for fine in ({"optimizer": {"type": "SGD"}}, {"optimizer": {"type": "Lion"}}, {"gradient_clipping": 1}, {}):
+        check_deepspeed_sections(fine, "ds.json")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")

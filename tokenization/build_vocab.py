@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from roformer_rope.safe_write import OutputError, check_output, safe_output_file
+from roformer_rope.safe_write import check_output, safe_output_file
 
 from .corpus import default_corpus_lines, read_text_files, split_held_out
 
@@ -225,31 +225,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build and write the vocabulary, print the coverage report; returns the exit code."""
+    """Build and write the vocabulary, print the coverage report; returns the exit code. Bad input raises
+    ValueError naming the option or file (the CLI prints it as one `error:` line and exits with 2)."""
     if args.words < 0 or args.min_char_count < 1 or args.held_out_every < 2:
-        print("error: need --words >= 0, --min-char-count >= 1, --held-out-every >= 2", file=sys.stderr)
-        return 2
-    if args.corpus:
-        missing = [f for f in args.corpus if not Path(f).is_file()]
-        if missing:
-            print(f"error: corpus file not found: {missing[0]}", file=sys.stderr)
-            return 2
-    try:  # before the counting: an --out that is a corpus file or a folder is refused at once
-        check_output(args.out, overwrite=True, sources=args.corpus or (), what="--out", folder=False)
-    except OutputError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if args.corpus:
-        try:
-            lines = list(read_text_files(args.corpus))
-        except ValueError as error:  # a corpus file that is not UTF-8: the message names it
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-    else:
-        lines = default_corpus_lines()
+        raise ValueError("need --words >= 0, --min-char-count >= 1, --held-out-every >= 2")
+    missing = [f for f in args.corpus or () if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"corpus file not found: {missing[0]}")
+    # Before the counting: an --out that is a corpus file or a folder is refused at once (OutputError).
+    check_output(args.out, overwrite=True, sources=args.corpus or (), what="--out", folder=False)
+    # A corpus file that is not UTF-8 raises ValueError naming the file and the line.
+    lines = list(read_text_files(args.corpus)) if args.corpus else default_corpus_lines()
     if not lines:
-        print("error: the corpus has no non-empty line", file=sys.stderr)
-        return 2
+        raise ValueError("the corpus has no non-empty line")
     train, held_out = split_held_out(lines, args.held_out_every)
     counts = count(train, total=len(train), progress=not args.no_progress)
     tokens = make_vocab(counts, args.words, args.min_char_count)
@@ -264,7 +252,11 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="build-vocab", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except ValueError as error:  # one line naming the option or file, as `roformer-rope build-vocab` prints it
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
