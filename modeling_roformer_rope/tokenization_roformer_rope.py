@@ -87,6 +87,21 @@ def read_vocab_lines(path: str) -> list[str]:
         return [line.rstrip("\n") for line in handle]
 
 
+def _warn_on_repeated_tokens(lines: list[str], vocab: dict[str, int], path: str) -> None:
+    """One warning when a token is on several lines: its id is its last line (as transformers' BertTokenizer
+    reads it; every other id stays its line number, the embedding row); bert4keras would shift later ids."""
+    if len(vocab) == len(lines):
+        return
+    first: dict[str, int] = {}
+    repeats = [(token, first.setdefault(token, i), i) for i, token in enumerate(lines) if first.setdefault(token, i) != i]
+    token, line, again = repeats[0]
+    logging.get_logger(__name__).warning(
+        "%s: %d repeated token(s), first %r on lines %d and %d; a repeated token's id is its last line, every "
+        "other id is its line number",
+        path, len(repeats), token, line + 1, again + 1,
+    )  # fmt: skip
+
+
 def _is_ascii_alnum(ch: str) -> bool:
     return ch.isascii() and ch.isalnum()
 
@@ -169,6 +184,7 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             # {token: id} alone cannot reproduce the file (later ids would shift)
             self._vocab_lines = read_vocab_lines(vocab_file)
             vocab = {token: i for i, token in enumerate(self._vocab_lines)}
+            _warn_on_repeated_tokens(self._vocab_lines, vocab, vocab_file)
         else:
             self._vocab_lines = None
         missing = [str(t) for t in (unk_token, cls_token, sep_token) if str(t) not in vocab]
@@ -566,7 +582,9 @@ class RoFormerRopeTokenizer(TokenizersBackend):
     ) -> str:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        text = self.convert_tokens_to_string(self.convert_ids_to_tokens(list(token_ids), skip_special_tokens))
+        tokens = self.convert_ids_to_tokens(list(token_ids), skip_special_tokens)
+        # An id no token has (a model vocabulary padded past the tokenizer's) is skipped, as the built-in does.
+        text = self.convert_tokens_to_string([token for token in tokens if token is not None])
         if clean_up_tokenization_spaces:
             text = self.clean_up_tokenization(text)
         return text

@@ -456,6 +456,24 @@ def test_clear_error_without_vocab():
         RoFormerRopeTokenizer()
 
 
+def test_a_repeated_vocabulary_token_warns_and_keeps_line_numbers_as_ids(tmp_path, caplog):
+    """ids are line numbers (the embedding rows), a repeated token's id is its last line, as transformers'
+    BertTokenizer reads vocab.txt; the file is saved back verbatim."""
+    lines = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "我", "你", "我", "他"]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with caplog.at_level("WARNING"):
+        tokenizer = RoFormerRopeTokenizer(vocab_file=str(path))
+    assert "1 repeated token(s), first '我' on lines 6 and 8" in caplog.text
+    assert tokenizer("我他你")["input_ids"] == [2, 7, 8, 6, 3]
+    assert tokenizer.convert_ids_to_tokens([5, 7, 8, 99]) == [None, "我", "他", None]  # 5: no token has it now
+    # ids no token has (also ids past the vocabulary, as a padded model vocabulary can generate) are skipped
+    assert tokenizer.decode([2, 5, 7, 99, 8, 3]) == "[CLS]我他[SEP]"
+    (tmp_path / "out").mkdir()
+    saved = tokenizer.save_vocabulary(str(tmp_path / "out"))[0]
+    assert Path(saved).read_text(encoding="utf-8").splitlines() == lines
+
+
 # ---- fuzz ---------------------------------------------------------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
