@@ -48,19 +48,21 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax in float32 so fp16/bf16 rows never overflow.
+    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax in float32 (float64 for float64) so fp16/bf16 rows never
+    overflow.
 
     `attention_mask` as SDPA reads it: bool keeps True positions (a fully masked row gives zeros), a float
     mask is added to the scores.
     """
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    wide = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64: its mask minimum is -inf in float32
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attn_weights = attn_weights.float().masked_fill(attention_mask.logical_not(), float("-inf"))
+        attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), float("-inf"))
         attn_weights = nn.functional.softmax(attn_weights, dim=-1).nan_to_num_(0.0).to(query.dtype)
     else:
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
-        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=wide).to(query.dtype)
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
     return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)

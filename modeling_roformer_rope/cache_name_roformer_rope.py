@@ -16,7 +16,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 # Outputs and masks of this transformers take the cache under this name.
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-_MASK_CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
+_MASK_CACHE_NAME = "cache" if "cache" in _MASK_PARAMETERS else "past_key_values"
 
 
 def take_cache(cache: Cache | None, kwargs: dict) -> Cache | None:
@@ -37,9 +38,21 @@ def output_cache(outputs) -> Cache | None:
     return getattr(outputs, CACHE_NAME, None)
 
 
-def causal_mask(**kwargs):
-    """`create_causal_mask` with the cache under `cache=` whatever this transformers calls the argument."""
-    kwargs[_MASK_CACHE_NAME] = kwargs.pop("cache")
+def causal_mask(layer_idx: int = 0, **kwargs):
+    """`create_causal_mask` with the cache under `cache=` whatever this transformers calls the argument, sized
+    against cache layer `layer_idx` (the first softmax layer).
+
+    transformers finds "the first full-attention layer" itself only among its own layer classes, and drops the mask
+    of a one-token step when the whole cache is compileable; a cache that mixes our linear-attention layers with
+    fixed-size (static) key/value layers is neither, so both are decided here: the mask is always materialised
+    against a fixed-size layer, whose unwritten slots must stay masked."""
+    cache = kwargs[_MASK_CACHE_NAME] = kwargs.pop("cache")
+    layers = getattr(cache, "layers", ())
+    if "layer_idx" in _MASK_PARAMETERS:
+        kwargs["layer_idx"] = layer_idx
+    if layer_idx < len(layers) and getattr(layers[layer_idx], "is_compileable", False):
+        if "allow_is_causal_skip" in _MASK_PARAMETERS:
+            kwargs["allow_is_causal_skip"] = False
     return create_causal_mask(**kwargs)
 
 

@@ -126,7 +126,8 @@ class RoFormerRopeConfig(PreTrainedConfig):
         return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
 
     def validate_architecture(self):
-        """Cross-field checks, run by `@strict` at construction (and on every assignment)."""
+        """Cross-field checks, run by `@strict` at construction and again by every model built from the config
+        (assignments and `from_pretrained(..., key=value)` overrides are checked field by field only)."""
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "

@@ -34,16 +34,15 @@ log_scale = max_f(Wx) − |x|²/2, so the true features are feat · exp(log_scal
     where c is one reference shared by every key a query sees, so it cancels between numerator and
     denominator:
       - bidirectional: c = max of log_scale over the unmasked keys of each (batch, head);
-      - causal: c = running maximum up to the end of the query's chunk (a later, larger key never shrinks
-        an earlier query's weights); sums carried over from a smaller reference c' are rescaled by
+      - causal: c = the running maximum up to the query itself (a later, larger key never changes an
+        earlier query's output); sums carried over from a smaller reference c' are rescaled by
         exp(c' − c) ≤ 1 when the reference grows;
       - generation: the state holds the running maximum c; when a new key raises it, (S, z) are rescaled
         by exp(c_old − c_new) ≤ 1 before the new keys are added, so any split into steps equals the
         parallel causal form.
   The references are detached: they cancel exactly, so their gradient is zero. What float32 still cannot
-  hold: a key whose log_scale lies > ~87 below its reference contributes 0; a query whose only weight
-  comes from such keys (e.g. the first token of a chunk when later keys of the chunk are e^87 larger)
-  hits the division guard. A smaller chunk_size narrows that window; the step form has none.
+  hold: a key whose log_scale lies > ~87 below its query's reference contributes 0 next to the key that set
+  the reference (its weight is e^-87 of that key's: the parallel and the step forms alike).
 
 Division guard: out = num / den where den > eps, else 0. den is a sum of non-negative terms, so without
 rotation |out| ≤ max|v| for any den > 0; eps only keeps 0/0 (a fully padded row, all-zero relu
@@ -272,9 +271,10 @@ def _causal_attention(
     sums carried from earlier blocks. Blocks of ~_CAUSAL_BLOCK tokens are processed in turn, so temporaries
     stay O(block · (C + F·Dv/C)), cache-sized: memory O(T·(F + Dv) + block·d²), never O(T·F·Dv).
 
-    With log scales, each chunk's keys are referenced to c = the running maximum of the log scales up to
-    the end of that chunk (so a query's stabiliser never depends on keys more than one chunk ahead), and
-    sums carried from an earlier reference c' are multiplied by exp(c' − c) ≤ 1.
+    With log scales, query i is referenced to c_i = the running maximum of the key log scales up to and
+    including i, exactly as the step form: key j ≤ i of its chunk weighs exp(ls_j − c_i) (a c×c factor on
+    the within-chunk product), and the sums of earlier chunks, kept referenced to each chunk's end, reach it
+    through exp(c' − c_i) ≤ 1. A later key never changes an earlier query's output.
     """
     B, H, T, Fd = qf.shape
     Dv = v.shape[-1]
@@ -300,38 +300,57 @@ def _causal_attention(
     for (k, c), qf3, kf3, v3, qr3, kr3, ls in zip(plan, qf_b, kf_b, v_b, qr_b, kr_b, ls_b):
         stop = start + k * c
         lower = torch.ones(k, k, dtype=torch.bool, device=qf.device).tril(-1)  # (k, k) chunk i' < chunk i
+        kfw, krw = kf3, kr3  # keys as summed for later chunks
         if log_scale is None:
             earlier = lower.to(qf.dtype).expand(BH, k, k)  # (B·H, k, k)
-            carry = None  # carried sums enter every chunk unscaled
+            carry = pair = cross = None  # no references: every sum enters unscaled
         else:
+            # References (detached: they cancel between numerator and denominator). Query i is referenced to the
+            # running maximum of the key log scales up to and including itself, as the step form is, so a later
+            # key never changes (nor underflows) an earlier query's weights.
             ls = ls.reshape(BH, k, c)  # (B·H, k, c)
-            ref = torch.cummax(torch.maximum(ls.detach().amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k)
-            weight = torch.exp(ls - ref[..., None]).reshape(BH * k, c, 1)  # ≤ 1: keys at their chunk's reference
-            kf3 = kf3 * weight
-            kr3 = kr3 * weight if rotated else kf3
-            # sums of chunk i' seen from chunk i: × exp(ref_i' − ref_i) ≤ 1
-            earlier = torch.where(lower, torch.exp((ref[:, None, :] - ref[:, :, None]).clamp(max=0)), 0)
-            carry = torch.exp(c_carry[:, None] - ref)  # (B·H, k)
-            c_carry = ref[:, -1]
+            fixed = ls.detach()
+            upto = torch.cummax(torch.maximum(fixed.amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k) ≤ chunk end
+            before = torch.cat([c_carry[:, None], upto[:, :-1]], dim=1)  # (B·H, k) of all keys before the chunk
+            own = torch.maximum(torch.cummax(fixed, dim=-1).values, before[..., None])  # (B·H, k, c) per query
+            # keys summed for later chunks: referenced to their chunk's end (≤ any later query's reference)
+            weight = torch.exp(ls - upto[..., None]).reshape(BH * k, c, 1)
+            kfw = kf3 * weight
+            krw = kr3 * weight if rotated else kfw
+            # within the chunk, key j seen from query i ≥ j: exp(ls_j − own_i) ≤ 1 (j > i is clamped, then masked)
+            pair = torch.exp((ls[:, :, None, :] - own[..., None]).clamp(max=0)).reshape(BH * k, c, c)
+            # sums of chunk i' < i seen before chunk i: × exp(upto_i' − before_i) ≤ 1; carried sums × exp(c' − before)
+            earlier = torch.where(lower, torch.exp((upto[:, None, :] - before[:, :, None]).clamp(max=0)), 0)
+            carry = torch.exp(c_carry[:, None] - before)  # (B·H, k)
+            cross = torch.exp(before[..., None] - own).reshape(BH * k, c, 1)  # the sums before a chunk, per query
+            last = torch.exp(before[:, -1] - upto[:, -1])[:, None]  # (B·H, 1) the last chunk's prefix → its end
+            c_carry = upto[:, -1]
 
         # within each chunk: Σ_{j ≤ i} (R_iφ(q_i))ᵀ(R_jφ(k_j)) v_j, the masked c×c product
-        scores = torch.bmm(qr3, kr3.transpose(1, 2)).tril_()  # (B·H·k, c, c) j ≤ i
+        scores = torch.bmm(qr3, kr3.transpose(1, 2))  # (B·H·k, c, c)
+        scores = (scores if pair is None else scores * pair).tril_()  # j ≤ i
         num = torch.bmm(scores, v3)  # (B·H·k, c, Dv)
         # across chunks: S before a chunk = carried sums + earlier chunks of this block
-        kv_chunk = torch.bmm(kr3.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
+        kv_chunk = torch.bmm(krw.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
         kv_carried = kv[:, None] if carry is None else carry[..., None] * kv[:, None]  # (B·H, 1 or k, F·Dv)
         kv_prev = torch.baddbmm(kv_carried, earlier, kv_chunk)  # (B·H, k, F·Dv)
-        num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
-        kv = kv_prev[:, -1] + kv_chunk[:, -1]  # (B·H, F·Dv)
+        if cross is None:
+            num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
+            kv = kv_prev[:, -1] + kv_chunk[:, -1]  # (B·H, F·Dv)
+        else:
+            num = num + cross * torch.bmm(qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
+            kv = kv_prev[:, -1] * last + kv_chunk[:, -1]  # (B·H, F·Dv), referenced to c_carry
 
         # denominator: φ(q_i)ᵀ Σ_{j ≤ i} φ(k_j), the same two parts with unrotated features
         if rotated:
-            scores = torch.bmm(qf3, kf3.transpose(1, 2)).tril_()  # (B·H·k, c, c)
-        z_chunk = kf3.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
+            scores = torch.bmm(qf3, kf3.transpose(1, 2))  # (B·H·k, c, c)
+            scores = (scores if pair is None else scores * pair).tril_()
+        z_chunk = kfw.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
         z_carried = z[:, None] if carry is None else carry[..., None] * z[:, None]  # (B·H, 1 or k, F)
         z_prev = torch.baddbmm(z_carried, earlier, z_chunk)  # (B·H, k, F)
-        den = scores.sum(dim=-1) + torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
-        z = z_prev[:, -1] + z_chunk[:, -1]  # (B·H, F)
+        prefix = torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
+        den = scores.sum(dim=-1) + (prefix if cross is None else cross[..., 0] * prefix)  # (B·H·k, c)
+        z = z_prev[:, -1] + z_chunk[:, -1] if cross is None else z_prev[:, -1] * last + z_chunk[:, -1]  # (B·H, F)
 
         num, den = num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c)
         if torch.is_grad_enabled() and (num.requires_grad or den.requires_grad):

@@ -43,15 +43,20 @@ from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding
 logger = logging.get_logger(__name__)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 (float64 stays float64): losses and norms of low-precision models are computed there."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RoFormerRopeRMSNorm(nn.Module):
-    """RoFormerV2's norm: x / sqrt(mean(x²) + eps), no learnable scale or shift, computed in float32."""
+    """RoFormerV2's norm: x / sqrt(mean(x²) + eps), no learnable scale or shift, computed in float32 (or float64)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
         self.eps = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.float()
+        x = _wide(hidden_states)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(hidden_states.dtype)
 
@@ -161,6 +166,12 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
         "attentions": RoFormerRopeSelfAttention,
     }
 
+    def __init__(self, config: RoFormerRopeConfig, *inputs, **kwargs) -> None:
+        # `from_pretrained(path, attention_type=...)` overrides and later assignments to the config are set field by
+        # field, without the cross-field checks construction ran: run them again before building anything.
+        config.validate_architecture()
+        super().__init__(config, *inputs, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -250,7 +261,9 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
     ) -> torch.Tensor | None:
         """Build the mask once per forward, in the form the attention backend wants."""
         if self.config.is_decoder:
+            first_softmax = next(i for i, layer in enumerate(self.layers) if layer.mask_kind == "softmax")
             return causal_mask(
+                layer_idx=first_softmax,
                 config=self.config,
                 inputs_embeds=hidden_states,
                 attention_mask=attention_mask,
@@ -575,7 +588,7 @@ class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
         logits = self.classifier(outputs.last_hidden_state)
         loss = None
         if labels is not None:  # regression, single- or multi-label by `config.problem_type`, as transformers does
-            loss = self.loss_function(labels=labels, pooled_logits=logits.float(), config=self.config, **kwargs)
+            loss = self.loss_function(labels=labels, pooled_logits=_wide(logits), config=self.config, **kwargs)
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -658,7 +671,7 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
         loss = None
         if start_positions is not None and end_positions is not None:
             # Positions outside the sequence are clamped to T and ignored, as in BERT.
-            loss = self.loss_function(start_logits.float(), end_logits.float(), start_positions, end_positions, **kwargs)
+            loss = self.loss_function(_wide(start_logits), _wide(end_logits), start_positions, end_positions, **kwargs)
         return QuestionAnsweringModelOutput(
             loss=loss,
             start_logits=start_logits,
@@ -714,7 +727,7 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
         summary = outputs.last_hidden_state[:, index]  # (B·N, C)
         logits = self.classifier(self.dropout(summary)).view(-1, num_choices)  # (B, N)
         # transformers has no multiple-choice loss function: plain cross-entropy over the choices.
-        loss = nn.functional.cross_entropy(logits.float(), labels) if labels is not None else None
+        loss = nn.functional.cross_entropy(_wide(logits), labels) if labels is not None else None
         return MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -69,11 +69,22 @@ class RoFormerRopeRotaryEmbedding(nn.Module):
         )  # attention factor: 1.0 for "linear" and "dynamic"
         return inv_freq.float()
 
+    def _apply(self, fn, recurse: bool = True):
+        """`.to(device)` moves the frequencies; `.to(dtype)` / `.bfloat16()` / `.half()` do not round them: θ_i in
+        bf16 is off by up to 2^-9 relative, and m·θ_i then by 0.22 rad at position 512, 1.8 rad at 4096."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if not inv_freq.is_meta and self.inv_freq.dtype != inv_freq.dtype:
+            self.inv_freq = inv_freq.to(self.inv_freq.device)  # the float32 values, on the new device
+        return self
+
     def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
         if self.rope_type == "dynamic":
             seq_len = int(position_ids.max()) + 1
             if seq_len > self.original_max_positions:
                 return self.compute_inv_freq(seq_len, self.inv_freq.device)
+        if self.inv_freq.dtype not in (torch.float32, torch.float64):  # made or filled in low precision: recompute
+            return self.compute_inv_freq(device=self.inv_freq.device)
         return self.inv_freq
 
     @torch.no_grad()
@@ -85,11 +96,17 @@ class RoFormerRopeRotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype rotations are computed in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Eq. 34 as one complex multiply: x (..., D) any strides with a unit last stride; cos, sin float32
-    broadcastable to (..., D/2) → (..., D) contiguous, dtype of `x`; products in float32."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (..., D/2) complex, no copy in fp32
-    rotated = torch.view_as_real(pairs * torch.complex(cos, sin))  # (..., D/2, 2)
+    broadcastable to (..., D/2) → (..., D) contiguous, dtype of `x`; products in float32 (float64 for float64)."""
+    wide = _wide(x.dtype)
+    pairs = torch.view_as_complex(x.to(wide).unflatten(-1, (-1, 2)))  # (..., D/2) complex, no copy if x is wide
+    rotated = torch.view_as_real(pairs * torch.complex(cos.to(wide), sin.to(wide)))  # (..., D/2, 2)
     return rotated.flatten(-2).to(x.dtype)  # (..., D)
 
 
@@ -104,9 +121,9 @@ def rotate_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """`rotate_pairs` in x's own memory; returns x. float32: one complex multiply on x viewed as complex.
     bf16/fp16 (x: (B, T, ...), cos/sin: (B or 1, T, ...)): products in float32 on a copy of a few positions
     at a time, rounded once into x, exactly as `rotate_pairs` rounds them."""
-    if x.dtype == torch.float32:
+    if x.dtype in (torch.float32, torch.float64):
         pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (..., D/2) complex view of x
-        pairs.mul_(torch.complex(cos, sin))  # × e^{i·m·θ}
+        pairs.mul_(torch.complex(cos.to(x.dtype), sin.to(x.dtype)))  # × e^{i·m·θ}
         return x
     if x.dim() < 3 or cos.dim() != x.dim():
         return x.copy_(rotate_pairs(x, cos, sin))
@@ -125,7 +142,7 @@ def apply_rotary_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
     x: (..., D); cos, sin broadcastable to (..., D/2) → (..., D), dtype of `x`. Traceable by compile/export.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # (..., D/2, 2)
+    pairs = x.to(_wide(x.dtype)).unflatten(-1, (-1, 2))  # (..., D/2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]  # (..., D/2) each
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)  # (..., D/2, 2)
     return rotated.flatten(-2).to(x.dtype)  # (..., D)

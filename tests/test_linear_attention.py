@@ -302,13 +302,46 @@ def test_favor_plus_is_stable_where_the_formula_underflows_float32():
     expected = {c: naive(favor_oracle(q, W), favor_oracle(k, W), v, causal=c) for c in (False, True)}
     qf, _ = la.favor_plus_features(q.float(), W)
     kf, k_log = la.favor_plus_features(k.float(), W)
-    # the keys' log scales span ~40 here; a causal query is referenced to the maximum up to the end of its
-    # chunk, so small chunks (and the step, one token at a time) keep the first queries in range
-    for causal in (False, True):
-        out = la.linear_attention(qf, kf, v.float(), k_log_scale=k_log, causal=causal, chunk_size=4)
+    # the keys' log scales span ~40 here; a causal query is referenced to the maximum up to itself, whatever
+    # the chunk size, as the step (one token at a time) is
+    for causal, chunk_size in ((False, 4), (True, 4), (True, 64)):
+        out = la.linear_attention(qf, kf, v.float(), k_log_scale=k_log, causal=causal, chunk_size=chunk_size)
         torch.testing.assert_close(out.double(), expected[causal], atol=1e-4, rtol=1e-4)
     stepped, _ = run_in_calls([1] * 50, qf, kf, v.float(), log_scale=k_log)
     torch.testing.assert_close(stepped.double(), expected[True], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_favor_plus_causal_outputs_never_depend_on_later_keys(rotated):
+    """A later key of the same chunk whose log scale is far above the earlier keys' (gap > 87: e^-87 underflows
+    float32) leaves the earlier outputs exactly as they were, and the parallel form equals the step form."""
+    g = torch.Generator().manual_seed(0)
+    D, M, T = 16, 64, 24
+    W = la.gaussian_orthogonal_random_matrix(M, D, generator=g)
+    q, k = torch.randn(1, 2, T, D, generator=g), torch.randn(1, 2, T, D, generator=g)
+    q, k = 3 * q / q.norm(dim=-1, keepdim=True), 40 * k / k.norm(dim=-1, keepdim=True)  # keys' log scales ~ -150
+    v = torch.randn(1, 2, T, 4, generator=g)
+    qf, _ = la.favor_plus_features(q, W)
+    pos = torch.arange(T)
+
+    def run(keys: torch.Tensor):
+        kf, k_log = la.favor_plus_features(keys, W)
+        rot = dict(q_feat_rot=rope(qf, pos), k_feat_rot=rope(kf, pos)) if rotated else {}
+        return la.linear_attention(qf, kf, v, k_log_scale=k_log, causal=True, chunk_size=64, **rot), kf, k_log, rot
+
+    before, *_ = run(k)
+    loud = k.clone()
+    loud[:, :, 15] /= 20  # norm 2: log scale ~ +150 above the others
+    after, kf, k_log, rot = run(loud)
+    assert (k_log[:, :, 15] - k_log[:, :, :15].amax(-1)).min() > 87
+    assert torch.equal(after[:, :15], before[:, :15])
+    state, steps = None, []
+    for t in range(T):
+        one = {name: x[:, :, t : t + 1] for name, x in rot.items()}
+        out, state = la.linear_attention_step(qf[:, :, t : t + 1], kf[:, :, t : t + 1], v[:, :, t : t + 1], state,
+                                              k_log_scale=k_log[:, :, t : t + 1], **one)  # fmt: skip
+        steps.append(out)
+    torch.testing.assert_close(after, torch.cat(steps, dim=1), atol=1e-5, rtol=1e-5)
 
 
 def mean_error(nb_features: int, causal: bool, placement: str, seeds=range(3)) -> float:

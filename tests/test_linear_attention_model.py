@@ -143,6 +143,32 @@ def test_generate_equals_greedy_full_forwards_with_a_constant_state(kind, extra)
         assert output_cache(out).get_seq_length() == 25
 
 
+@pytest.mark.parametrize("layer_types", [["linear_attention", "full_attention"], ["full_attention", "linear_attention"]])
+@pytest.mark.parametrize("kind", ["linear", "performer"])
+def test_a_static_cache_mixing_linear_and_softmax_layers_masks_its_unwritten_slots(kind, layer_types):
+    """The static cache's key slots not yet written stay masked (transformers sizes masks only against its own layer
+    classes, and skips one-token masks only for compileable caches), with and without left padding. float64 and
+    large weights, so that attending to a zero slot would change the logits by far more than rounding."""
+    from transformers import StaticCache
+
+    model = model_of(rr.RoFormerRopeForCausalLM, attention_type=kind, is_decoder=True, layer_types=layer_types,
+                     initializer_range=0.3).double()  # fmt: skip
+    ids = torch.randint(2, 40, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        steps = [model(ids[:, :5], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(5, 9)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=0)
+        dynamic = model.generate(ids[:, :3], max_new_tokens=10, do_sample=False)
+        static = model.generate(ids[:, :3], max_new_tokens=10, do_sample=False, cache_implementation="static")
+        assert torch.equal(static, dynamic)
+        left = torch.tensor([[0, 0, 7, 8, 9], [3, 4, 5, 6, 7]])  # left-padded batch
+        mask = (left != 0).long()
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(left, cache_implementation="static", **kwargs), model.generate(left, **kwargs))
+
+
 def test_performer_projection_is_saved_and_redrawn_only_when_asked(tmp_path):
     model = model_of(rr.RoFormerRopeForMaskedLM, attention_type="performer", performer_nb_features=32)
     batch = padded_batch()
@@ -170,6 +196,23 @@ def test_a_softmax_checkpoint_loads_into_a_linear_model(tmp_path):
     assert projection.shape == (256, 8) and projection.abs().sum() > 0  # drawn, not left empty
     for name, param in softmax.named_parameters():
         torch.testing.assert_close(performer.get_parameter(name), param, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [({"attention_type": "bogus"}, "attention_type must be one of"), ({"linear_feature_map": "tanh"}, "linear_feature_map"),
+     ({"linear_chunk_size": 0}, "linear_chunk_size must be >= 1"),
+     ({"attention_type": "performer", "performer_nb_features": 7}, "performer_nb_features must be an even number")],
+)  # fmt: skip
+def test_load_time_overrides_and_assignments_are_checked_when_the_model_is_built(tmp_path, override, message):
+    model_of(rr.RoFormerRopeForMaskedLM).save_pretrained(tmp_path)
+    with pytest.raises(Exception, match=message):
+        rr.RoFormerRopeForMaskedLM.from_pretrained(tmp_path, **override)
+    config = tiny_config()
+    for key, value in override.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        rr.RoFormerRopeModel(config)
 
 
 def test_linear_layers_refuse_what_they_cannot_do():

@@ -177,6 +177,26 @@ def test_low_precision_fully_masked_rows_are_finite(dtype, attn):
     torch.testing.assert_close(out.float()[valid], fp32[valid], atol=0.15, rtol=0.05)
 
 
+@pytest.mark.parametrize("variant", [{"attn_implementation": "eager"}, {"attention_type": "linear"},
+                                     {"norm_type": "rms_norm", "use_bias": False, "attn_implementation": "eager"}],
+                         ids=["softmax", "linear", "v2"])  # fmt: skip
+def test_float64_models_compute_in_float64(variant):
+    """Rotations, softmax and norms of a float64 model stay float64 (gradcheck needs it), and a left-padded eager
+    decoder gives finite outputs (float64's mask minimum is -inf in float32)."""
+    model = model_of(hidden_size=8, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **variant).double()  # fmt: skip
+    embeds = torch.randn(1, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda e: model(inputs_embeds=e).last_hidden_state, (embeds,))
+    decoder = model_of(rr.RoFormerRopeForCausalLM, is_decoder=True, **variant).double()
+    ids, mask = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.no_grad():
+        logits = decoder(ids, attention_mask=mask).logits
+        assert torch.isfinite(logits[:, 2:]).all()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (2, 4): the padded row's tokens at 0, 1
+        padded = decoder(ids, attention_mask=mask, position_ids=positions).logits[1:, 2:]
+        torch.testing.assert_close(padded, decoder(ids[1:, 2:]).logits)  # the row alone, unpadded
+
+
 def test_gradient_checkpointing_gives_same_gradients():
     def grads(checkpointing: bool):
         model = model_of(rr.RoFormerRopeForMaskedLM)

@@ -134,3 +134,19 @@ def test_in_place_rotation_equals_out_of_place(dtype, per_batch_positions, chunk
     assert got.data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(qkv[:, :, :2], expected, atol=0, rtol=0)
     assert torch.equal(qkv[:, :, 2], untouched)  # values stay as they were
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtype_casts_keep_the_frequencies_exact(cast):
+    """`.to(dtype)` moves nothing but the dtype of the weights: θ_i rounded to bf16 would put m·θ_i whole radians off
+    by position ~1000 (the built-in's table only rounds its cos/sin values)."""
+    model = RoFormerRopeRotaryEmbedding(tiny_config(hidden_size=128, num_attention_heads=2))
+    exact = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    cast_model = torch.nn.Sequential(model).to(cast)[0]
+    assert cast_model.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(cast_model.inv_freq.double(), exact, atol=0, rtol=1e-7)
+    positions = torch.tensor([[4000]])
+    cos, _ = cast_model(positions)
+    torch.testing.assert_close(cos.double(), torch.cos(4000 * exact)[None, None], atol=2e-4, rtol=0)
+    cast_model.inv_freq = cast_model.inv_freq.to(torch.bfloat16)  # a buffer filled in low precision some other way
+    torch.testing.assert_close(cast_model(positions)[0], cos, atol=0, rtol=0)
