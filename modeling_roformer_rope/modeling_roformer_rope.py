@@ -690,7 +690,9 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
-        self.dropout = nn.Dropout(config.classifier_dropout_prob)
+        # No dropout before the classifier unless `classifier_dropout` asks for it: the built-in's summary layer has
+        # none (RoFormerConfig sets no `summary_*_dropout`), so a converted checkpoint fine-tunes the same way.
+        self.dropout = nn.Dropout(config.classifier_dropout) if config.classifier_dropout else nn.Identity()
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 

@@ -52,7 +52,7 @@ from typing import Any, get_type_hints
 
 from transformers import EarlyStoppingCallback, HfArgumentParser, TrainerCallback, TrainingArguments
 
-from .task_common import Splits, Task
+from .task_common import Splits, Task, tokenizer_identity
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +307,9 @@ def load_pretrained(task: Task, model_args: ModelArguments, max_length: int | No
         model = auto.from_config(config, trust_remote_code=True)
         init = "random (config and tokenizer of --model)"
     else:
-        model = auto.from_pretrained(name, config=config, trust_remote_code=True)
+        # A head with placeholder labels (check_head_labels refused any other that differs) sized for another label
+        # count is drawn anew, as a pretrained folder's missing head is.
+        model = auto.from_pretrained(name, config=config, trust_remote_code=True, ignore_mismatched_sizes=True)
         init = "pretrained"
     return model, tokenizer, {"model": model_args.model, "init": init, "model_type": config.model_type}
 
@@ -350,12 +352,7 @@ def build_fresh(task: Task, model_args: ModelArguments, splits: Splits, max_leng
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    extra = [type(tokenizer).__name__, getattr(tokenizer, "do_lower_case", None)]
-    jieba_words = getattr(tokenizer, "jieba_words", None)
-    if jieba_words:
-        extra.append(sorted(map(list, jieba_words)))
-    return hashlib.sha1(json.dumps([vocab, extra], ensure_ascii=False, default=str).encode()).hexdigest()
+    return hashlib.sha1(tokenizer_identity(tokenizer).encode()).hexdigest()
 
 
 def subsample(columns: dict[str, list], n: int | None) -> dict[str, list]:
@@ -534,6 +531,16 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
         raise ValueError(f"--max_length must be >= 8, got {max_length}")
     if model_args.random_init and not model_args.model:
         raise ValueError("--random_init needs --model (whose config and tokenizer to use)")
+    for flag, value in (("--max_train_samples", data_args.max_train_samples), ("--max_eval_samples", data_args.max_eval_samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if training_args.resume_from_checkpoint:
+        raise ValueError(
+            "--resume_from_checkpoint: a fine-tune keeps its checkpoints in a temporary folder removed when it ends, "
+            "so there is none to resume; run it again, or continue from a finished --output_dir with --model"
+        )
+    if training_args.push_to_hub and not training_args.hub_model_id:
+        training_args.hub_model_id = out.name  # else the Trainer would name the repo after its temporary folder
     set_seed(training_args.seed)  # the head's initialisation too
     if training_args.dataloader_pin_memory:
         import torch

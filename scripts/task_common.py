@@ -9,6 +9,7 @@ inputs (`encode`, a `datasets.map` function), and how predictions are scored (`c
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,6 +17,23 @@ from typing import Any, Literal
 import numpy as np
 
 SPLITS = ("train", "dev", "test")
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """JSON of what decides a tokenizer's ids: its class, vocabulary (added tokens included), jieba words, and how
+    text is cut before WordPiece (jieba or not, case, accents, CJK splitting): the same vocabulary can give other
+    ids. Cached token ids are keyed by it."""
+    settings = ("word_segmentation", "do_lower_case", "strip_accents", "tokenize_chinese_chars")
+    return json.dumps(
+        [
+            type(tokenizer).__name__,
+            sorted(tokenizer.get_vocab().items()),
+            sorted(map(str, getattr(tokenizer, "jieba_words", None) or [])),
+            {key: tokenizer.init_kwargs.get(key) for key in settings},
+        ],
+        ensure_ascii=False,
+        default=str,
+    )
 
 
 @dataclass

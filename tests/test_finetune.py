@@ -163,6 +163,24 @@ def small_tokenizer(tmp_path_factory):
     return RoFormerRopeTokenizer(vocab_file=str(folder / "vocab.txt"))
 
 
+def test_the_tokenized_cache_is_keyed_by_how_the_tokenizer_cuts_text(small_tokenizer, tmp_path):
+    """The same vocabulary with jieba or without, or other normalisation, gives other ids: never the cached ones."""
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    task = finetune.get_task("sentiment")
+    splits = {"train": {"text": ["公司在上海浦东开发", "克林顿会见"], "label": [1, 0]}}
+    vocab = small_tokenizer.save_vocabulary(str(tmp_path))[0]
+    variants = [small_tokenizer, RoFormerRopeTokenizer(vocab_file=vocab, word_segmentation="none"),
+                RoFormerRopeTokenizer(vocab_file=vocab, tokenize_chinese_chars=False),
+                RoFormerRopeTokenizer(vocab_file=vocab, strip_accents=True)]  # fmt: skip
+    assert len({finetune.tokenizer_fingerprint(t) for t in variants}) == len(variants)
+    for tokenizer in variants[:2]:
+        cached = finetune.encode_splits(task, splits, tokenizer, 32, str(tmp_path / "cache"))["train"]["input_ids"]
+        assert cached == finetune.encode_splits(task, splits, tokenizer, 32, "")["train"]["input_ids"]
+    word, char = (finetune.encode_splits(task, splits, t, 32, str(tmp_path / "cache"))["train"]["input_ids"] for t in variants[:2])
+    assert word != char  # 上海浦东 is one jieba word and one vocabulary entry; four characters without jieba
+
+
 def encode_tagged(tagged: str, tokenizer, max_length: int = 32):
     text, spans = task_ner.entities_of(task_ner.parse_tagged_line(tagged))
     batch = {"text": [text], "ent_start": [[a for a, _, _ in spans]], "ent_end": [[b for _, b, _ in spans]]}
@@ -466,6 +484,25 @@ def test_model_folder_problems(trained, tmp_path, capsys):
     code, err = run_main(["sentiment", "--model", str(regression), "--output_dir", str(tmp_path / "o")], capsys)
     assert code == 2 and "problem_type='regression'" in err
 
+    # a head with placeholder label names sized for another label count is drawn anew, like a missing head
+    import torch
+
+    import modeling_roformer_rope as rr
+
+    placeholder = tmp_path / "placeholder"
+    config = rr.RoFormerRopeConfig.from_pretrained(out / "sentiment")
+    config.id2label = {i: f"LABEL_{i}" for i in range(3)}
+    three = rr.RoFormerRopeForSequenceClassification(config)
+    three.save_pretrained(placeholder)
+    for path in (out / "sentiment").iterdir():  # the tokenizer and its code
+        if not (placeholder / path.name).exists() and path.name != "finetune_results.json":
+            (placeholder / path.name).write_bytes(path.read_bytes())
+    model, _, _ = finetune.load_pretrained(task_sentiment.TASK, finetune.ModelArguments(model=str(placeholder)))
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[2, 5, 3]])).logits.shape == (1, 2)
+    torch.testing.assert_close(model.roformer.embeddings.word_embeddings.weight, three.roformer.embeddings.word_embeddings.weight)
+
 
 def test_output_and_flag_problems(tmp_path, capsys):
     existing = tmp_path / "exists"
@@ -474,6 +511,12 @@ def test_output_and_flag_problems(tmp_path, capsys):
     assert code == 2 and "already exists (pass --overwrite" in err
     code, err = run_main(["sentiment", "--random_init", "--output_dir", str(tmp_path / "new"), *TINY], capsys)
     assert code == 2 and "--random_init needs --model" in err
+    for flags, message in ((["--max_train_samples", "-5"], "--max_train_samples must be >= 1, got -5"),
+                           (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1, got 0"),
+                           (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps")):  # fmt: skip
+        code, err = run_main(["sentiment", *flags, "--output_dir", str(tmp_path / "new"), *TINY], capsys)
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "new").exists()
 
 
 def test_missing_snownlp(monkeypatch, tmp_path, capsys):
@@ -492,3 +535,32 @@ def test_quick_sentiment_for_the_quickstart(trained, tmp_path):
     assert results["reload_check"].startswith("ok")
     assert results["sizes"]["test"] == 1798 and 0.0 <= results["test"]["accuracy"] <= 1.0
     assert results["train_runtime_s"] < 60
+
+
+def test_finetune_table_reuses_a_run_only_when_its_flags_are_the_same(tmp_path, monkeypatch, capsys):
+    """A finished run folder made with other flags (another budget, model size, --extra) is run again."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("finetune_table", "scripts/experiments/finetune_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    ran, real_run = [], table.subprocess.run
+
+    def fake_run(command, **kwargs):  # a finished fine-tune: the results file it writes
+        if "roformer_rope.scripts.finetune" not in command:
+            return real_run(command, **kwargs)  # lscpu
+        ran.append(command)
+        out = Path(command[command.index("--output_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = {"accuracy": 0.5, "n_long": 1, "n_short": 1, "accuracy_long": 0.5}
+        result = {"task": "sentiment", "init": "x", "model": None, "max_length": 8, "seed": 0, "learning_rate": 1e-3,
+                  "steps": 1, "train_runtime_s": 1.0, "total_runtime_s": 1.0, "dev": metrics, "test": metrics}  # fmt: skip
+        (out / "finetune_results.json").write_text(json.dumps(result))
+
+    monkeypatch.setattr(table.subprocess, "run", fake_run)
+    argv = ["--columns", "sentiment", "--seeds", "0", "--budget", "reduced", "--out", str(tmp_path), "--scratch-hidden", "32"]
+    assert table.main(argv) == 0 and len(ran) == 1
+    assert table.main(argv) == 0 and len(ran) == 1  # same flags: reused
+    assert table.main([*argv, "--extra", "--max_steps", "2"]) == 0 and len(ran) == 2  # other flags: run again
+    assert "(made with other flags)" in capsys.readouterr().out

@@ -56,6 +56,28 @@ def test_every_head_matches_builtin(class_name, rotary_value, embedding_size, at
     assert compared >= 1
 
 
+@pytest.mark.parametrize("class_name", ["RoFormerForMultipleChoice", "RoFormerForSequenceClassification"])
+def test_heads_drop_out_where_the_builtin_does(class_name):
+    """In training mode, with the encoder's dropout off, a head equals the built-in's only if both drop out in the
+    same places: multiple choice has no dropout before its classifier, sequence classification has."""
+    builtin = builtin_model(class_name, hidden_dropout_prob=0.3)
+    ours = convert_model(builtin)
+    for model in (builtin, ours):
+        for module in model.base_model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        model.train()
+    inputs = inputs_for(class_name)
+    torch.manual_seed(0)
+    expected = builtin(**inputs).logits
+    torch.manual_seed(0)
+    actual = ours(**inputs).logits
+    if class_name == "RoFormerForMultipleChoice":
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    else:  # the same dropout draws are not guaranteed: check that both are random in training mode
+        assert not torch.equal(ours(**inputs).logits, actual) and not torch.equal(builtin(**inputs).logits, expected)
+
+
 def test_hidden_states_and_attentions_match_builtin():
     builtin = builtin_model("RoFormerModel")
     ours = convert_model(builtin)

@@ -18,8 +18,8 @@ standard deviation over the seeds (min and max in the JSON). With several `--lrs
 runs each of them and reports the test score of the one with the best mean dev score (test never chooses).
 
 Each run is `python -m roformer_rope.scripts.finetune TASK ...` in its own process, writing
-`OUT/runs/ROW-COLUMN-seedS/`; runs whose `finetune_results.json` exists are reused (rerunning the
-command resumes; `--rerun` forces). The table goes to `OUT/table.md` and `OUT/table.json`.
+`OUT/runs/ROW-COLUMN-seedS/`; runs whose `finetune_results.json` exists and were made with the same flags
+are reused (rerunning the command resumes; `--rerun` forces). The table goes to `OUT/table.md` and `OUT/table.json`.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ def skip_reason(row: str, column: str, args: argparse.Namespace) -> str | None:
     positions = json.loads((Path(args.bert) / "config.json").read_text()).get("max_position_embeddings")
     length = int(COLUMNS[column][1][1])
     return f"n/a ({positions} positions)" if positions and length > positions else None
+
+
+COMMAND_FILE = "table_command.json"  # written into each run folder after its run
 
 
 def run_command(row: str, column: str, seed: int, lr: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -202,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
                     run_dir = out / "runs" / name
                     command = run_command(row, column, seed, lr, args, run_dir)
                     results_file = run_dir / "finetune_results.json"
+                    made_by = run_dir / COMMAND_FILE  # the flags of the run in the folder: reused only for the same
+                    flags = json.dumps(command[1:])  # (the interpreter may differ)
                     if args.dry_run:
                         print(shlex.join(command))
                         continue
-                    if results_file.is_file() and not args.rerun:
+                    same = results_file.is_file() and made_by.is_file() and made_by.read_text() == flags
+                    if same and not args.rerun:
                         print(f"[reuse] {run_dir}", flush=True)
                     else:
-                        print(f"[run] {shlex.join(command)}", flush=True)
+                        changed = " (made with other flags)" if results_file.is_file() and not same else ""
+                        print(f"[run]{changed} {shlex.join(command)}", flush=True)
                         t0 = time.monotonic()
                         subprocess.run(command, env=env, check=True)
+                        made_by.write_text(flags)
                         print(f"[done] {run_dir} in {time.monotonic() - t0:.0f} s", flush=True)
                     results[name] = json.loads(results_file.read_text())
     if args.dry_run:
