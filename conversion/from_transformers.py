@@ -22,7 +22,7 @@ from roformer_rope.safe_write import OutputError, check_output, safe_output_fold
 
 from .json_object import read_json_object
 from .key_map import ConversionError, Rule, fuse_qkv, map_keys
-from .sinusoids import check_sinusoid_table
+from .sinusoids import check_sinusoid_table, standard_table
 from .tokenizer_files import save_tokenizer, tokenizer_settings
 
 logger = logging.getLogger(__name__)
@@ -156,12 +156,29 @@ def convert_model(builtin_model: torch.nn.Module) -> torch.nn.Module:
     return ours.eval()
 
 
+def float32_reference(builtin_model) -> torch.nn.Module:
+    """The built-in model itself if it is float32, else a float32 copy whose sinusoid table is the exact standard one
+    (a bf16/fp16 checkpoint stores it rounded; `check_sinusoid_table` accepted that rounding): the weight mapping
+    is then checked in float32 against our model, which computes the exact sinusoids."""
+    if next(builtin_model.parameters()).dtype == torch.float32:
+        return builtin_model
+    import copy
+
+    reference = copy.deepcopy(builtin_model).float()
+    table = reference.base_model.encoder.embed_positions.weight
+    with torch.no_grad():
+        table.copy_(standard_table(*table.shape))
+    return reference
+
+
 @torch.no_grad()
 def verify_against_builtin(builtin_model, ours, seq_len: int = 16, atol: float = 1e-4) -> float:
-    """Run both models on a random padded batch; raise if any output differs by more than `atol`."""
-    builtin_model.eval()
+    """Run both models on a random padded batch (at most `max_position_embeddings` long: the built-in has no
+    row past its table) in float32; raise if any output differs by more than `atol`."""
+    builtin_model = float32_reference(builtin_model).eval()
     ours.eval()
     config = builtin_model.config
+    seq_len = max(2, min(seq_len, config.max_position_embeddings))
     generator = torch.Generator().manual_seed(0)
     shape = (2, 3, seq_len) if "MultipleChoice" in type(builtin_model).__name__ else (2, seq_len)
     input_ids = torch.randint(1, config.vocab_size, shape, generator=generator)
@@ -208,13 +225,23 @@ def load_builtin_folder(folder: Path):
     class_name = (config.get("architectures") or ["RoFormerModel"])[0]
     model_class_for(class_name)  # fail early on an unsupported head
     try:
-        return getattr(transformers, class_name).from_pretrained(folder)
+        model, info = getattr(transformers, class_name).from_pretrained(folder, output_loading_info=True)
     except SafetensorError as error:
         raise ConversionError(f"{folder}: cannot read the safetensors weights ({error})") from None
     except (TypeError, ValueError, KeyError, AttributeError) as error:
         if isinstance(error, ConversionError):
             raise
         raise ConversionError(f"{folder}: transformers cannot load it as {class_name} ({error})") from None
+    # transformers fills missing tensors with fresh initial values and drops unknown ones: either would be converted
+    # (and verified against) as if it were the checkpoint's
+    problems = []
+    for kind in ("missing", "unexpected", "mismatched"):
+        keys = sorted(map(str, info.get(f"{kind}_keys") or ()))
+        if keys:
+            problems.append(f"{len(keys)} {kind} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})")
+    if problems:
+        raise ConversionError(f"{folder}: the weights do not fit {class_name}: {'; '.join(problems)}")
+    return model
 
 
 def convert_folder(in_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -233,6 +260,9 @@ def convert_folder(in_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
     ours = convert_model(builtin)
     diff = verify_against_builtin(builtin, ours)
     logger.info("converted %s: max |diff| vs built-in = %.2e", type(builtin).__name__, diff)
+    dtype = next(builtin.parameters()).dtype
+    if dtype != torch.float32:
+        ours = ours.to(dtype)  # saved in the checkpoint's own precision (the rotary frequencies stay float32)
     with safe_output_folder(out_dir, overwrite=overwrite, sources=[in_dir], what="--out") as tmp:
         ours.save_pretrained(tmp)
         save_tokenizer(in_dir, tmp, **tokenizer_settings(in_dir))

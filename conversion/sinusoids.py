@@ -23,7 +23,8 @@ def standard_table(num_positions: int, dim: int) -> torch.Tensor:
 
 
 def check_sinusoid_table(table: torch.Tensor, name: str, atol: float = 1e-4) -> None:
-    """Raise a ConversionError naming the first position where `table` departs from the standard table."""
+    """Raise a ConversionError naming the first position where `table` departs from the standard table (by more
+    than `atol`, or than the rounding of a bf16/fp16 table: one unit in the last place of 1)."""
     if table.dim() != 2:
         raise ConversionError(
             f"{name}: expected a [positions, head_size] sinusoid table, got shape {list(table.shape)}"
@@ -31,6 +32,8 @@ def check_sinusoid_table(table: torch.Tensor, name: str, atol: float = 1e-4) -> 
     expected = standard_table(*table.shape)
     if table.numel() == 0:
         return
+    if table.is_floating_point():
+        atol = max(atol, torch.finfo(table.dtype).eps)
     per_position = (table.double() - expected).abs().amax(dim=1)
     bad = (~(per_position <= atol)).nonzero()  # NaN counts as bad
     if len(bad):

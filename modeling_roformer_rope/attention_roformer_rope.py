@@ -52,7 +52,7 @@ def eager_attention_forward(
     overflow.
 
     `attention_mask` as SDPA reads it: bool keeps True positions (a fully masked row gives zeros), a float
-    mask is added to the scores.
+    mask is added to the scores (a row at the dtype's minimum everywhere gives zeros too).
     """
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
     wide = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64: its mask minimum is -inf in float32
@@ -63,6 +63,11 @@ def eager_attention_forward(
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
         attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=wide).to(query.dtype)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            # transformers' eager masks carry the dtype's minimum where SDPA's carry False: a row masked everywhere
+            # gives zeros, as on SDPA, not the mean of every value
+            dead = (attention_mask == torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)  # (B, 1|H, T, 1)
+            attn_weights = attn_weights.masked_fill(dead, 0.0)
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
     return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
@@ -80,10 +85,17 @@ def sdpa_attention_forward(
     """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there), or
     on SDPA with compact keys and values where that measures faster (`sdpa_layout`)."""
     if onednn_attention_applies(query, key, attention_mask, dropout, value):
-        return onednn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
-    if sdpa_layout(query, key, value) == "contiguous":
-        key, value = key.contiguous(), value.contiguous()  # (B, H, S, D) each
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        out, weights = onednn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    else:
+        if sdpa_layout(query, key, value) == "contiguous":
+            key, value = key.contiguous(), value.contiguous()  # (B, H, S, D) each
+        out, weights = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        # a float mask given by the caller: a row at the dtype's minimum everywhere gives zeros, as a bool mask's
+        # fully masked row does (and as on eager), not the mean of every value
+        dead = (attention_mask == torch.finfo(attention_mask.dtype).min).all(dim=-1)  # (B, 1|H, T)
+        out = out.masked_fill(dead.transpose(1, 2)[..., None], 0.0)  # out: (B, T, H, D)
+    return out, weights
 
 
 def softmax_attention_function(config) -> Callable:

@@ -89,3 +89,41 @@ def test_untied_lm_head_uses_the_decoder_bias(tmp_path, caplog, class_name, auto
     with torch.no_grad():
         expected, actual = builtin(**padded_batch()).logits, ours(**padded_batch()).logits
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_checkpoint_converts_and_keeps_its_precision(tmp_path, dtype):
+    """The stored sinusoid table is the standard one rounded to the checkpoint's dtype; the mapping is verified in
+    float32 and the folder is written in the checkpoint's dtype."""
+    builtin = builtin_model("RoFormerForMaskedLM")
+    builtin.to(dtype).save_pretrained(tmp_path / "builtin")
+    out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    ours = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, dtype="auto").eval()
+    assert ours.dtype == dtype
+    reference = builtin_model("RoFormerForMaskedLM")  # the same weights, rounded to dtype and back
+    reference.load_state_dict({k: v.to(dtype).float() for k, v in reference.state_dict().items()})
+    with torch.no_grad():
+        expected = reference(**padded_batch()).logits
+        actual = ours.float()(**padded_batch()).logits
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)  # the table: exact vs rounded to dtype
+
+
+def test_missing_or_unknown_weights_are_refused_not_drawn_at_random(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    builtin_model("RoFormerForMaskedLM").save_pretrained(tmp_path / "builtin")
+    weights_file = tmp_path / "builtin" / "model.safetensors"
+    weights = load_file(weights_file)
+    del weights["roformer.encoder.layer.0.output.LayerNorm.weight"]
+    weights["roformer.encoder.layer.0.extra.weight"] = torch.zeros(2)
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"do not fit RoFormerForMaskedLM: 1 missing \(roformer.encoder.layer.0.output"
+                       r".LayerNorm.weight\); 1 unexpected \(roformer.encoder.layer.0.extra.weight\)"):  # fmt: skip
+        convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+def test_a_position_table_shorter_than_the_check_batch_converts(tmp_path):
+    builtin_model("RoFormerForMaskedLM", max_position_embeddings=8).save_pretrained(tmp_path / "builtin")
+    out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 8

@@ -177,6 +177,32 @@ def test_low_precision_fully_masked_rows_are_finite(dtype, attn):
     torch.testing.assert_close(out.float()[valid], fp32[valid], atol=0.15, rtol=0.05)
 
 
+@pytest.mark.parametrize("length", [12, 400])
+@pytest.mark.parametrize("form", ["2-D", "4-D float"])
+def test_a_fully_masked_row_means_one_thing_on_every_backend(form, length):
+    """Its attention gives zeros on eager, sdpa (at 400 keys: our kernel, forced) and flex, whether the mask is a
+    2-D padding mask or a 4-D float mask at the dtype's minimum (the built-in averages every value there)."""
+    from modeling_roformer_rope import calibration_roformer_rope as calibration
+
+    model = model_of()
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(5, 99, (2, length), generator=generator), "attention_mask": torch.ones(2, length)}
+    batch["attention_mask"][0] = 0  # a row with every key masked
+    batch["attention_mask"][1, length // 2 :] = 0
+    backends = ["eager", "sdpa", "flex_attention"]
+    if form == "4-D float":
+        keep = batch["attention_mask"][:, None, None, :]  # (B, 1, 1, S)
+        batch["attention_mask"] = ((1 - keep) * torch.finfo(torch.float32).min).expand(-1, 1, length, -1)
+        backends.remove("flex_attention")  # transformers' flex path takes 2-D masks only
+    calibration.force("attention", "onednn")
+    try:
+        outs = {attn: run(model, attn, **batch).last_hidden_state for attn in backends}
+    finally:
+        calibration.force("attention", None)
+    for attn in backends[1:]:
+        torch.testing.assert_close(outs[attn], outs["eager"], atol=1e-4, rtol=1e-4, msg=attn)
+
+
 @pytest.mark.parametrize("variant", [{"attn_implementation": "eager"}, {"attention_type": "linear"},
                                      {"norm_type": "rms_norm", "use_bias": False, "attn_implementation": "eager"}],
                          ids=["softmax", "linear", "v2"])  # fmt: skip
