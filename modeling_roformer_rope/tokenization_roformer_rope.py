@@ -562,10 +562,10 @@ class RoFormerRopeTokenizer(TokenizersBackend):
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         """Join tokens as written Chinese: no spaces, except between two ASCII words/numbers;
-        `##` pieces attach to the previous token."""
+        `##` pieces attach to the previous token (a first token keeps its `##`, as the built-in's decoder does)."""
         out: list[str] = []
         for token in tokens:
-            if token.startswith("##") and len(token) > 2:
+            if token.startswith("##") and len(token) > 2 and out:
                 out.append(token[2:])
             else:
                 if out and out[-1] and token and _is_ascii_alnum(out[-1][-1]) and _is_ascii_alnum(token[0]):

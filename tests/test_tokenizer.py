@@ -328,6 +328,9 @@ def test_decode_joins_chinese_without_spaces(ours, ref, lines):
     assert " " in ref.decode(ids, skip_special_tokens=True)  # the built-in puts spaces between all tokens
     assert ours.decode(ours("hello world 2024年")["input_ids"], skip_special_tokens=True) == "hello world 2024年"
     assert ours.batch_decode([ids], skip_special_tokens=True) == [text]
+    piece = next(i for t, i in sorted(ours.get_vocab().items()) if t.startswith("##") and len(t) > 2)
+    for decoded in ([piece], [ours.cls_token_id, piece]):  # a first "##" piece keeps its "##", as the built-in's
+        assert ours.decode(decoded, skip_special_tokens=True) == ref.decode(decoded, skip_special_tokens=True)
 
 
 # ---- serialisation, multiprocessing -------------------------------------------------------------
