@@ -6,6 +6,8 @@
 Experiments
 - attention_parts: bf16 SDPA vs a lower bound for any attention built from torch's kernels: its two bf16 GEMMs
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
+- op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
+  pieces), vs the built-in: time and page faults per call (how close ours is to its kernels' sum).
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
@@ -320,6 +322,81 @@ def _attention_parts_at(batch: int, length: int, reps: int, rows: int, H: int = 
     )
 
 
+def _chain_forward(model, hidden: torch.Tensor, cos, sin, ffn_rows: int | None) -> torch.Tensor:
+    """The encoder's kernels back to back, with the model's bf16 weights and no module, dispatch or mask code:
+    oneDNN GEMMs (GELU fused), the in-place rotary of q and k, SDPA, residual adds and LayerNorms. `ffn_rows`:
+    run the MLP on that many rows at a time (its (rows, I) intermediate stays small and cache-resident)."""
+    from modeling_roformer_rope.rotary_roformer_rope import apply_rotary_
+
+    linear = torch.ops.mkldnn._linear_pointwise
+    B, T, C = hidden.shape
+    x = hidden.reshape(B * T, C)  # (N, C)
+    for layer in model.layers:
+        attention, mlp = layer.attention, layer.mlp
+        H, D = attention.num_heads, attention.head_dim
+        qkv = linear(x, attention.qkv.weight, attention.qkv.bias, "none", [], "").view(B, T, 3, H, D)
+        apply_rotary_(qkv[:, :, :2], cos, sin)  # (B, T, 2, H, D) in place, eq. 34
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B * T, C)  # (N, C)
+        o = linear(a, attention.o_proj.weight, attention.o_proj.bias, "none", [], "")
+        norm = layer.attention_norm
+        x = F.layer_norm(o + x, (C,), norm.weight, norm.bias, norm.eps)  # (N, C)
+        out = torch.empty_like(x)
+        step = ffn_rows or x.shape[0]
+        for start in range(0, x.shape[0], step):
+            rows = x[start : start + step]  # (r, C)
+            up = linear(rows, mlp.up_proj.weight, mlp.up_proj.bias, "gelu", [], "none")  # (r, I)
+            down = linear(up, mlp.down_proj.weight, mlp.down_proj.bias, "none", [], "")  # (r, C)
+            torch.add(down, rows, out=out[start : start + step])
+        norm = layer.mlp_norm
+        x = F.layer_norm(out, (C,), norm.weight, norm.bias, norm.eps)
+    return x.view(B, T, C)
+
+
+def op_chain(layers: int, reps: int, shapes) -> None:
+    """bf16 forward of our model vs the same kernels chained with no model code around them (`_chain_forward`),
+    with the MLP whole and in 512-row pieces, vs the built-in in bf16; time and minor page faults per call.
+    How much of ours is framework overhead, and whether a smaller MLP intermediate (fewer fresh pages) pays."""
+    import resource
+
+    builtin, ours = make_pair(layers)
+    builtin, ours = builtin.bfloat16(), ours.bfloat16()
+    base = ours.base_model
+    for batch, length in shapes:
+        inputs = random_batch(batch, length)
+        del inputs["attention_mask"]  # unpadded: the chain has no mask
+        with torch.no_grad():
+            hidden = base.embeddings(inputs["input_ids"], inputs["token_type_ids"])  # (B, T, C)
+            cos, sin = base.rotary_emb(torch.arange(length)[None])
+            expected = ours(**inputs).last_hidden_state.float()
+            chained = _chain_forward(base, hidden, cos, sin, None).float()
+            pieces = _chain_forward(base, hidden, cos, sin, 512).float()
+        print(f"{batch}×{length}: chain vs model max |diff| {(chained - expected).abs().max():.3g}, "
+              f"512-row MLP {(pieces - expected).abs().max():.3g} (bf16)")  # fmt: skip
+        faults: dict[str, list[int]] = {}
+
+        def counted(name, fn):
+            def run():
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                fn()
+                faults.setdefault(name, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+            return run
+
+        with torch.no_grad():
+            t = interleaved(
+                {
+                    "built-in": counted("built-in", partial(builtin, **inputs)),
+                    "ours": counted("ours", partial(ours, **inputs)),
+                    "chain": counted("chain", partial(_chain_forward, base, hidden, cos, sin, None)),
+                    "chain, MLP by 512 rows": counted("chain, MLP by 512 rows", partial(_chain_forward, base, hidden, cos, sin, 512)),
+                },
+                reps=reps,
+            )
+        for name in t.times:
+            print(f"  {name}: {t.ms(name):.1f} ms, {sorted(faults[name])[len(faults[name]) // 2]} page faults per call")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -345,6 +422,8 @@ def main() -> None:
             attention_rate(args.reps, shapes)
         elif name == "attention_parts":
             attention_parts(args.reps, shapes)
+        elif name == "op_chain":
+            op_chain(args.layers, args.reps, shapes)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")
