@@ -375,7 +375,7 @@ def op_chain(layers: int, reps: int, shapes) -> None:
               f"512-row MLP {(pieces - expected).abs().max():.3g} (bf16)")  # fmt: skip
         faults: dict[str, list[int]] = {}
 
-        def counted(name, fn):
+        def counted(name, fn, faults=faults):
             def run():
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 fn()
