@@ -178,13 +178,13 @@ def verify_against_builtin(builtin_model, ours, seq_len: int = 16, atol: float =
     builtin_model = float32_reference(builtin_model).eval()
     ours.eval()
     config = builtin_model.config
-    seq_len = max(2, min(seq_len, config.max_position_embeddings))
+    seq_len = min(seq_len, config.max_position_embeddings)
     generator = torch.Generator().manual_seed(0)
     shape = (2, 3, seq_len) if "MultipleChoice" in type(builtin_model).__name__ else (2, seq_len)
     input_ids = torch.randint(1, config.vocab_size, shape, generator=generator)
     token_type_ids = torch.randint(0, config.type_vocab_size, shape, generator=generator)
     attention_mask = torch.ones(shape, dtype=torch.long)
-    attention_mask[1, ..., seq_len // 2 :] = 0
+    attention_mask[1, ..., max(1, seq_len // 2) :] = 0  # never a fully masked row (the built-in averages those)
     inputs = dict(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
     expected, actual = builtin_model(**inputs), ours(**inputs)
     worst = 0.0
@@ -225,7 +225,10 @@ def load_builtin_folder(folder: Path):
     class_name = (config.get("architectures") or ["RoFormerModel"])[0]
     model_class_for(class_name)  # fail early on an unsupported head
     try:
-        model, info = getattr(transformers, class_name).from_pretrained(folder, output_loading_info=True)
+        # mis-shaped tensors are reported in `info` (and refused below) instead of raising transformers' own error
+        model, info = getattr(transformers, class_name).from_pretrained(
+            folder, output_loading_info=True, ignore_mismatched_sizes=True
+        )
     except SafetensorError as error:
         raise ConversionError(f"{folder}: cannot read the safetensors weights ({error})") from None
     except (TypeError, ValueError, KeyError, AttributeError) as error:
@@ -236,7 +239,8 @@ def load_builtin_folder(folder: Path):
     # (and verified against) as if it were the checkpoint's
     problems = []
     for kind in ("missing", "unexpected", "mismatched"):
-        keys = sorted(map(str, info.get(f"{kind}_keys") or ()))
+        # the sinusoid table is a function of its shape: transformers rebuilds a missing one exactly
+        keys = sorted(str(key) for key in info.get(f"{kind}_keys") or () if not (kind == "missing" and key == SINUSOID_KEY))
         if keys:
             problems.append(f"{len(keys)} {kind} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})")
     if problems:

@@ -65,9 +65,10 @@ def eager_attention_forward(
         attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=wide).to(query.dtype)
         if attention_mask is not None and attention_mask.is_floating_point():
             # transformers' eager masks carry the dtype's minimum where SDPA's carry False: a row masked everywhere
-            # gives zeros, as on SDPA, not the mean of every value
-            dead = (attention_mask == torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)  # (B, 1|H, T, 1)
-            attn_weights = attn_weights.masked_fill(dead, 0.0)
+            # gives zeros, as on SDPA, not the mean of every value (nor NaN for a row of -inf)
+            dead = fully_masked_rows(attention_mask)  # (B, 1|H, T)
+            if torch.compiler.is_compiling() or dead.any():  # (a copy of the weights only where needed)
+                attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
     return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
@@ -91,11 +92,15 @@ def sdpa_attention_forward(
             key, value = key.contiguous(), value.contiguous()  # (B, H, S, D) each
         out, weights = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
-        # a float mask given by the caller: a row at the dtype's minimum everywhere gives zeros, as a bool mask's
-        # fully masked row does (and as on eager), not the mean of every value
-        dead = (attention_mask == torch.finfo(attention_mask.dtype).min).all(dim=-1)  # (B, 1|H, T)
-        out = out.masked_fill(dead.transpose(1, 2)[..., None], 0.0)  # out: (B, T, H, D)
+        # a float mask given by the caller: a row at the dtype's minimum (or -inf) everywhere gives zeros, as a bool
+        # mask's fully masked row does (and as on eager), not the mean of every value
+        out = out.masked_fill(fully_masked_rows(attention_mask).transpose(1, 2)[..., None], 0.0)  # (B, T, H, D)
     return out, weights
+
+
+def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1|H, T) True where a float mask (B, 1|H, T, S) is at its dtype's minimum (or -inf) for every key."""
+    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1)
 
 
 def softmax_attention_function(config) -> Callable:

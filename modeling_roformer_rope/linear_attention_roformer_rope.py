@@ -274,7 +274,9 @@ def _causal_attention(
     With log scales, query i is referenced to c_i = the running maximum of the key log scales up to and
     including i, exactly as the step form: key j ≤ i of its chunk weighs exp(ls_j − c_i) (a c×c factor on
     the within-chunk product), and the sums of earlier chunks, kept referenced to each chunk's end, reach it
-    through exp(c' − c_i) ≤ 1. A later key never changes an earlier query's output.
+    through exp(c' − c_i) ≤ 1. A later key never changes an earlier query's output. Where no query of a
+    block lies more than `_CHUNK_REFERENCE_MAX_GAP` below its chunk's end, every query of a chunk is
+    referenced to that end instead (a factor that cancels; no c×c factor): the same output, cheaper.
     """
     B, H, T, Fd = qf.shape
     Dv = v.shape[-1]
@@ -317,18 +319,27 @@ def _causal_attention(
             weight = torch.exp(ls - upto[..., None]).reshape(BH * k, c, 1)
             kfw = kf3 * weight
             krw = kr3 * weight if rotated else kfw
-            # within the chunk, key j seen from query i ≥ j: exp(ls_j − own_i) ≤ 1 (j > i is clamped, then masked)
-            pair = torch.exp((ls[:, :, None, :] - own[..., None]).clamp(max=0)).reshape(BH * k, c, c)
-            # sums of chunk i' < i seen before chunk i: × exp(upto_i' − before_i) ≤ 1; carried sums × exp(c' − before)
-            earlier = torch.where(lower, torch.exp((upto[:, None, :] - before[:, :, None]).clamp(max=0)), 0)
-            carry = torch.exp(c_carry[:, None] - before)  # (B·H, k)
-            cross = torch.exp(before[..., None] - own).reshape(BH * k, c, 1)  # the sums before a chunk, per query
-            last = torch.exp(before[:, -1] - upto[:, -1])[:, None]  # (B·H, 1) the last chunk's prefix → its end
+            if _needs_query_references(upto, own):
+                # within the chunk, key j seen from query i ≥ j: exp(ls_j − own_i) ≤ 1 (j > i clamped, then masked)
+                pair = torch.exp((ls[:, :, None, :] - own[..., None]).clamp(max=0)).reshape(BH * k, c, c)
+                cross = torch.exp(before[..., None] - own).reshape(BH * k, c, 1)  # the sums before a chunk, per query
+                target = before  # earlier chunks' sums referenced to what precedes the chunk
+            else:
+                # every query of the chunk referenced to the chunk's end instead: a factor common to its numerator and
+                # denominator, so the same output, without the c×c factor (exact while no weight underflows there)
+                pair = cross = None
+                target = upto
+            # sums of chunk i' < i: × exp(upto_i' − target_i) ≤ 1; carried sums × exp(c' − target)
+            earlier = torch.where(lower, torch.exp((upto[:, None, :] - target[:, :, None]).clamp(max=0)), 0)
+            carry = torch.exp(c_carry[:, None] - target)  # (B·H, k)
+            last = torch.exp(target[:, -1] - upto[:, -1])[:, None]  # (B·H, 1) the last chunk's prefix → its end
             c_carry = upto[:, -1]
 
         # within each chunk: Σ_{j ≤ i} (R_iφ(q_i))ᵀ(R_jφ(k_j)) v_j, the masked c×c product
-        scores = torch.bmm(qr3, kr3.transpose(1, 2))  # (B·H·k, c, c)
-        scores = (scores if pair is None else scores * pair).tril_()  # j ≤ i
+        if pair is None:
+            scores = torch.bmm(qr3, krw.transpose(1, 2)).tril_()  # (B·H·k, c, c) j ≤ i
+        else:
+            scores = (torch.bmm(qr3, kr3.transpose(1, 2)) * pair).tril_()
         num = torch.bmm(scores, v3)  # (B·H·k, c, Dv)
         # across chunks: S before a chunk = carried sums + earlier chunks of this block
         kv_chunk = torch.bmm(krw.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
@@ -336,21 +347,21 @@ def _causal_attention(
         kv_prev = torch.baddbmm(kv_carried, earlier, kv_chunk)  # (B·H, k, F·Dv)
         if cross is None:
             num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
-            kv = kv_prev[:, -1] + kv_chunk[:, -1]  # (B·H, F·Dv)
         else:
             num = num + cross * torch.bmm(qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
-            kv = kv_prev[:, -1] * last + kv_chunk[:, -1]  # (B·H, F·Dv), referenced to c_carry
+        kv = kv_chunk[:, -1] + (kv_prev[:, -1] if log_scale is None else kv_prev[:, -1] * last)  # (B·H, F·Dv) at c_carry
 
         # denominator: φ(q_i)ᵀ Σ_{j ≤ i} φ(k_j), the same two parts with unrotated features
-        if rotated:
-            scores = torch.bmm(qf3, kf3.transpose(1, 2))  # (B·H·k, c, c)
-            scores = (scores if pair is None else scores * pair).tril_()
+        if rotated and pair is None:
+            scores = torch.bmm(qf3, kfw.transpose(1, 2)).tril_()  # (B·H·k, c, c)
+        elif rotated:
+            scores = (torch.bmm(qf3, kf3.transpose(1, 2)) * pair).tril_()
         z_chunk = kfw.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
         z_carried = z[:, None] if carry is None else carry[..., None] * z[:, None]  # (B·H, 1 or k, F)
         z_prev = torch.baddbmm(z_carried, earlier, z_chunk)  # (B·H, k, F)
         prefix = torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
         den = scores.sum(dim=-1) + (prefix if cross is None else cross[..., 0] * prefix)  # (B·H·k, c)
-        z = z_prev[:, -1] + z_chunk[:, -1] if cross is None else z_prev[:, -1] * last + z_chunk[:, -1]  # (B·H, F)
+        z = z_chunk[:, -1] + (z_prev[:, -1] if log_scale is None else z_prev[:, -1] * last)  # (B·H, F)
 
         num, den = num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c)
         if torch.is_grad_enabled() and (num.requires_grad or den.requires_grad):
@@ -363,6 +374,21 @@ def _causal_attention(
     if pieces:
         out = torch.cat(pieces, dim=1)  # (B, T, H, Dv)
     return out, LinearAttentionState(kv.reshape(B, H, Fd, Dv), z.reshape(B, H, Fd), c_carry.reshape(B, H))
+
+
+# Below this gap between a chunk's reference (its running maximum) and a query's own, referencing the query to
+# the chunk's reference keeps its largest weight ≥ e^-30 and its denominator far above eps: the same output as the
+# per-query references, without their c×c factor. A gap this large needs keys whose log scales differ by > 30
+# inside one chunk (norms very unequal).
+_CHUNK_REFERENCE_MAX_GAP = 30.0
+
+
+def _needs_query_references(upto: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether some query of the block lies so far below its chunk's reference that it needs its own (one check
+    per block; compiled code always takes the per-query form: no data-dependent branch)."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool((upto[..., None] - own).amax() > _CHUNK_REFERENCE_MAX_GAP)
 
 
 def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:

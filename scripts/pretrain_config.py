@@ -109,16 +109,18 @@ class RunConfig:
 
 
 def _yaml_load(text: str) -> Any:
-    """`yaml.safe_load`, except that `1e-3` is the number it reads as in YAML 1.2 and JSON, not a string.
+    """`yaml.safe_load`, except that `1e-3` / `1.5e3` are the numbers they are in YAML 1.2 and JSON, not strings.
 
-    PyYAML follows YAML 1.1, whose floats need a dot (`1.0e-3`): `lr: 1e-3` would be the string "1e-3"."""
+    PyYAML follows YAML 1.1, whose floats need a dot and a signed exponent (`1.0e-3`, `1.5e+3`): `lr: 1e-3`
+    would be the string "1e-3"."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
-    exponent_float = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")  # no dot: YAML 1.1's own float form has one
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_float, list("-+0123456789"))
+    # YAML 1.1's own floats need a dot and a signed exponent: also read 1e-3, 1.5e3, 2.0E5, .5e-2
+    exponent_float = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_float, list("-+.0123456789"))
     return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
 
 

@@ -123,7 +123,24 @@ def test_missing_or_unknown_weights_are_refused_not_drawn_at_random(tmp_path):
     assert not (tmp_path / "converted").exists()
 
 
-def test_a_position_table_shorter_than_the_check_batch_converts(tmp_path):
-    builtin_model("RoFormerForMaskedLM", max_position_embeddings=8).save_pretrained(tmp_path / "builtin")
+def test_a_mis_shaped_weight_is_refused_by_name_and_a_missing_sinusoid_table_is_rebuilt(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    builtin_model("RoFormerForMaskedLM").save_pretrained(tmp_path / "builtin")
+    weights_file = tmp_path / "builtin" / "model.safetensors"
+    weights = load_file(weights_file)
+    del weights["roformer.encoder.embed_positions.weight"]  # a function of its shape: transformers rebuilds it
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    weights["roformer.encoder.layer.1.intermediate.dense.bias"] = torch.zeros(3)
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"1 mismatched \(.*roformer.encoder.layer.1.intermediate.dense.bias"):
+        convert_folder(tmp_path / "builtin", tmp_path / "converted2")
+    assert not (tmp_path / "converted2").exists()
+
+
+@pytest.mark.parametrize("positions", [1, 8])
+def test_a_position_table_shorter_than_the_check_batch_converts(tmp_path, positions):
+    builtin_model("RoFormerForMaskedLM", max_position_embeddings=positions).save_pretrained(tmp_path / "builtin")
     out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
-    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 8
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == positions

@@ -564,3 +564,6 @@ def test_finetune_table_reuses_a_run_only_when_its_flags_are_the_same(tmp_path, 
     assert table.main(argv) == 0 and len(ran) == 1  # same flags: reused
     assert table.main([*argv, "--extra", "--max_steps", "2"]) == 0 and len(ran) == 2  # other flags: run again
     assert "(made with other flags)" in capsys.readouterr().out
+    spellings = ["models/x", "./models/x/", str(tmp_path.cwd() / "models" / "x")]  # one folder, spelt three ways
+    keys = {table.run_key(["python", "--model", path, "--output_dir", str(tmp_path / path[-3:])]) for path in spellings}
+    assert len(keys) == 1

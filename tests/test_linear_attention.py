@@ -334,7 +334,7 @@ def test_favor_plus_causal_outputs_never_depend_on_later_keys(rotated):
     loud[:, :, 15] /= 20  # norm 2: log scale ~ +150 above the others
     after, kf, k_log, rot = run(loud)
     assert (k_log[:, :, 15] - k_log[:, :, :15].amax(-1)).min() > 87
-    assert torch.equal(after[:, :15], before[:, :15])
+    torch.testing.assert_close(after[:, :15], before[:, :15], atol=1e-6, rtol=1e-5)
     state, steps = None, []
     for t in range(T):
         one = {name: x[:, :, t : t + 1] for name, x in rot.items()}
@@ -342,6 +342,32 @@ def test_favor_plus_causal_outputs_never_depend_on_later_keys(rotated):
                                               k_log_scale=k_log[:, :, t : t + 1], **one)  # fmt: skip
         steps.append(out)
     torch.testing.assert_close(after, torch.cat(steps, dim=1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_favor_plus_chunk_references_equal_per_query_references(rotated, monkeypatch):
+    """The cheap form (every query of a chunk referenced to the chunk's end) gives the per-query form's outputs and
+    gradients where it is used (log scales within `_CHUNK_REFERENCE_MAX_GAP` inside a chunk), masks included."""
+    q, k, v = random_inputs(B=2, H=2, T=70, D=16, Dv=8, seed=3, scale=1.5)
+    W = la.gaussian_orthogonal_random_matrix(32, 16, generator=torch.Generator().manual_seed(0), dtype=F64)
+    qf, _ = la.favor_plus_features(q.float(), W.float())
+    kf, k_log = la.favor_plus_features(k.float(), W.float())
+    pos = torch.arange(70)
+    rot = dict(q_feat_rot=rope(qf, pos).float(), k_feat_rot=rope(kf, pos).float()) if rotated else {}
+    mask = torch.ones(2, 70, dtype=torch.bool)
+    mask[1, :9] = False
+    results = []
+    for gap in (float("inf"), -1.0):  # never / always per-query references
+        monkeypatch.setattr(la, "_CHUNK_REFERENCE_MAX_GAP", gap)
+        keys = kf.clone().requires_grad_(True)
+        out = la.linear_attention(qf, keys, v.float(), k_log_scale=k_log, causal=True, chunk_size=16, key_mask=mask,
+                                  **rot)  # fmt: skip
+        out.square().sum().backward()
+        results.append((out.detach(), keys.grad))
+    (fast, fast_grad), (exact, exact_grad) = results
+    assert (k_log.amax(-1) - k_log.amin(-1)).max() < 30  # the cheap form's domain
+    torch.testing.assert_close(fast, exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_grad, exact_grad, atol=1e-5, rtol=1e-4)
 
 
 def mean_error(nb_features: int, causal: bool, placement: str, seeds=range(3)) -> float:

@@ -178,7 +178,7 @@ def test_low_precision_fully_masked_rows_are_finite(dtype, attn):
 
 
 @pytest.mark.parametrize("length", [12, 400])
-@pytest.mark.parametrize("form", ["2-D", "4-D float"])
+@pytest.mark.parametrize("form", ["2-D", "4-D float", "4-D -inf"])
 def test_a_fully_masked_row_means_one_thing_on_every_backend(form, length):
     """Its attention gives zeros on eager, sdpa (at 400 keys: our kernel, forced) and flex, whether the mask is a
     2-D padding mask or a 4-D float mask at the dtype's minimum (the built-in averages every value there)."""
@@ -190,9 +190,10 @@ def test_a_fully_masked_row_means_one_thing_on_every_backend(form, length):
     batch["attention_mask"][0] = 0  # a row with every key masked
     batch["attention_mask"][1, length // 2 :] = 0
     backends = ["eager", "sdpa", "flex_attention"]
-    if form == "4-D float":
-        keep = batch["attention_mask"][:, None, None, :]  # (B, 1, 1, S)
-        batch["attention_mask"] = ((1 - keep) * torch.finfo(torch.float32).min).expand(-1, 1, length, -1)
+    if form.startswith("4-D"):
+        keep = batch["attention_mask"][:, None, None, :].bool()  # (B, 1, 1, S)
+        fill = torch.finfo(torch.float32).min if form == "4-D float" else float("-inf")
+        batch["attention_mask"] = torch.zeros(keep.shape).masked_fill(~keep, fill).expand(-1, 1, length, -1)
         backends.remove("flex_attention")  # transformers' flex path takes 2-D masks only
     calibration.force("attention", "onednn")
     try:

@@ -228,10 +228,10 @@ def test_yaml_exponent_numbers_without_a_dot_are_numbers(tmp_path):
     )
     with pytest.raises(ValueError, match="lr must be >= 0.0, got -2.5"):
         load_run_config(path)
-    path.write_text(path.read_text(encoding="utf-8").replace("-2.5e+0", "2e-4"), encoding="utf-8")
+    path.write_text(path.read_text(encoding="utf-8").replace("-2.5e+0", "2.5e3"), encoding="utf-8")
     config = load_run_config(path)
     first, second = config.stages
-    assert (first.lr, first.min_lr_ratio, second.lr, config.train.weight_decay) == (1e-3, 0.5, 2e-4, 0.01)
+    assert (first.lr, first.min_lr_ratio, second.lr, config.train.weight_decay) == (1e-3, 0.5, 2500.0, 0.01)
     assert type(first.steps) is int and first.steps == 10  # integers stay integers
     assert model_config(config).layer_norm_eps == 1e-7
 

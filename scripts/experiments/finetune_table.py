@@ -106,6 +106,18 @@ def skip_reason(row: str, column: str, args: argparse.Namespace) -> str | None:
 COMMAND_FILE = "table_command.json"  # written into each run folder after its run
 
 
+def run_key(command: list[str]) -> str:
+    """What makes two runs of a cell the same: the finetune flags, without the interpreter and the run's own
+    folder, with `--model` as a path relative to the working directory (however it was spelt)."""
+    flags, key = command[1:], []
+    for i, flag in enumerate(flags):
+        previous = flags[i - 1] if i else None
+        if flag == "--output_dir" or previous == "--output_dir":
+            continue
+        key.append(os.path.relpath(os.path.abspath(os.path.expanduser(flag))) if previous == "--model" else flag)
+    return json.dumps(key)
+
+
 def run_command(row: str, column: str, seed: int, lr: str, args: argparse.Namespace, out: Path) -> list[str]:
     task, column_flags = COLUMNS[column]
     return [
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     command = run_command(row, column, seed, lr, args, run_dir)
                     results_file = run_dir / "finetune_results.json"
                     made_by = run_dir / COMMAND_FILE  # the flags of the run in the folder: reused only for the same
-                    flags = json.dumps(command[1:])  # (the interpreter may differ)
+                    flags = run_key(command)
                     if args.dry_run:
                         print(shlex.join(command))
                         continue
