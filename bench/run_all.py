@@ -1,4 +1,4 @@
-"""Run every benchmark (ours vs the built-in transformers RoFormer) and write bench/results/README.md + PNGs.
+"""Run every benchmark (ours vs the built-in transformers RoFormer); tables and PNGs in bench/results/<cpu>/.
 
     make bench                                  # = python bench/run_all.py: 12 layers (base), ~20 min on 2 cores
     python bench/run_all.py --layers 4          # 4 layers of base width (the issue's reference numbers), ~8 min

@@ -174,7 +174,13 @@ class Run:
             texts = mlm_data.load_texts(self.args.corpus, self.args.text_column or self.config.data.text_column)
             if self.args.corpus_lines:
                 texts = texts.select(range(min(self.args.corpus_lines, len(texts))))
-            train, held_out = mlm_data.split_held_out(texts, min(self.config.data.held_out_lines, max(1, len(texts) // 10)))
+            held_out_lines = min(self.config.data.held_out_lines, max(1, len(texts) // 10))
+            if held_out_lines < self.config.data.held_out_lines:
+                logger.warning(
+                    "data.held_out_lines %d is more than a tenth of the corpus's %d lines: holding out %d",
+                    self.config.data.held_out_lines, len(texts), held_out_lines,
+                )  # fmt: skip
+            train, held_out = mlm_data.split_held_out(texts, held_out_lines)
             logger.info("corpus: %d training lines, %d held out (%s)", len(train), len(held_out), self.corpus_name())
             if not (tok_dir / "vocab.txt").is_file():
                 self.make_tokenizer(train, tok_dir)
@@ -303,6 +309,16 @@ class Run:
         )
         self.ds_config.setdefault("zero_optimization", {"stage": 0})
         check_deepspeed_config(self.ds_config, f"--deepspeed {self.ds_path}")
+        for stage in self.config.stages[1:]:  # a batch size the file fixes must suit every stage, not the first only
+            try:
+                fill_deepspeed_config(
+                    self.ds_template, micro_batch=stage.micro_batch, global_batch=stage.global_batch,
+                    world_size=self.dist.world_size, precision=self.args.precision, lr=stage.lr,
+                    weight_decay=self.config.train.weight_decay, on_cpu=self.dist.device.type == "cpu",
+                    hidden_size=self.model_config.hidden_size,
+                )  # fmt: skip
+            except ValueError as error:
+                raise ValueError(f"--deepspeed {self.ds_path}: stage {stage.name}: {error}") from None
 
     def start_engine(self, model: torch.nn.Module) -> None:
         from .pretrain_engine import build_engine
@@ -404,6 +420,15 @@ class Run:
                 f"{self.dist.world_size}; ZeRO shards the optimizer by process, so resume with the same number "
                 "(or convert it with DeepSpeed's ds_to_universal and start a new run from the export)"
             )
+        info = saved.get("info", {})
+        zero_stage = self.ds_config["zero_optimization"].get("stage", 0)
+        for what, before, now, option in (("ZeRO stage", info.get("zero_stage"), zero_stage, "--deepspeed"),
+                                          ("precision", info.get("precision"), self.args.precision, "--precision")):  # fmt: skip
+            if before is not None and before != now:
+                raise ValueError(
+                    f"--resume: checkpoint {tag} was written with {what} {before}, this run has {now}; resume with "
+                    f"the same {option} (or start a new run from its export with model.init_from)"
+                )
         self.resume_tag, self.saved = tag, saved
 
     def resume(self) -> tuple[int, int, int, float, int, float]:
@@ -455,6 +480,14 @@ class Run:
                 bodies.append((tokens, words, (stage_idx, epoch, index)))
             out.append({k: v.to(self.dist.device) for k, v in self.masker.collate(bodies).items()})
         return out
+
+    def across_ranks(self, loss: float, tokens: int) -> tuple[float, int]:
+        """(the step's loss averaged over the ranks, as the gradients are; its tokens summed over the ranks)."""
+        if self.dist.world_size == 1:
+            return loss, tokens
+        both = torch.tensor([loss, float(tokens)], dtype=torch.float64)
+        torch.distributed.all_reduce(both)
+        return both[0].item() / self.dist.world_size, int(both[1].item())
 
     def evaluate(self, max_length: int) -> dict[str, float]:
         spans = mlm_data.pack(self.held_out_stream, max_length)[: self.config.data.eval_sequences]
@@ -520,19 +553,23 @@ class Run:
                 lr = stage.lr_at(step)
                 set_lr(self.engine, lr)
                 losses, step_tokens = [], 0
-                for batch in self.micro_batches(sampler, stage_idx, stage, step, spans):
+                micro = self.micro_batches(sampler, stage_idx, stage, step, spans)
+                for index, batch in enumerate(micro):
+                    # The step ends with this rank's last micro-batch. Said explicitly: DeepSpeed's own rule (its
+                    # running micro-batch count modulo the accumulation steps) drifts when a stage changes the
+                    # accumulation steps, and the count is not checkpointed, so a resume would step elsewhere.
+                    self.engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
                     loss = self.engine(**batch).loss
                     self.engine.backward(loss)
                     self.engine.step()
                     losses.append(loss.item())
                     step_tokens += int(batch["attention_mask"].sum())
-                step_tokens *= self.dist.world_size  # every rank processes the same number of sequences
+                loss, step_tokens = self.across_ranks(float(np.mean(losses)), step_tokens)
                 elapsed = time.perf_counter() - t0
                 seconds += elapsed
                 tokens_seen += step_tokens
                 stage_tokens += step_tokens
                 global_step += 1
-                loss = float(np.mean(losses))
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"{stage.name} step {step + 1}: the training loss is {loss}")
                 record = {"stage": stage_idx + 1, "step": step + 1, "global_step": global_step, "loss": loss,
@@ -639,6 +676,11 @@ def check_arguments(args: argparse.Namespace, config: RunConfig) -> None:
             raise FileNotFoundError(f"--vocab {args.vocab}: no such file")
         if Path(args.out).resolve() in Path(args.vocab).resolve().parents:
             raise ValueError(f"--vocab {args.vocab} lies inside --out {args.out}: a run rewrites its folder")
+    if args.attention_type and config.architecture != "roformer":
+        raise ValueError(
+            f"--attention-type {args.attention_type}: architecture {config.architecture!r} has only its own softmax "
+            "attention (linear attention is a RoFormer option)"
+        )
     for name in ("max_steps", "corpus_lines"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -125,7 +125,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.dim() < 2 or "norm" in name.lower() else decay).append(param)
+        shape = getattr(param, "ds_shape", param.shape)  # under ZeRO-3's zero.Init, `param` is an empty 1-D stand-in
+        (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

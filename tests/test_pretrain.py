@@ -200,6 +200,8 @@ def _blocked(module: str) -> list[str]:
         (None, ["--deepspeed", "stage5"], "DeepSpeed refuses it: zero_optimization.stage: Input should be 0, 1, 2, 3"),
         (None, ["--deepspeed", "typo"], "DeepSpeed refuses it: zero_optimization.overlap_comms: Extra inputs are not permitted"),
         (None, ["--deepspeed", "scheduler"], "ds.json: scheduler: the stages set the learning rate"),
+        (None, ["--deepspeed", "fixed"], "stage long: DeepSpeed config sets train_batch_size=8, but the stages need 4"),
+        (("model: {", "architecture: bert\nmodel: {"), ["--attention-type", "linear"], "architecture 'bert' has only its own softmax"),
         (None, ["--precision", "fp16"], "fp16 needs a GPU"),
         (None, ["--vocab", "nosuch-vocab.txt"], "--vocab nosuch-vocab.txt: no such file"),
         (None, ["--tensorboard", "BLOCK"], "--tensorboard needs the tensorboard package"),
@@ -218,7 +220,8 @@ def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, chan
         zero = {"stage": 2}
         ds = {"batch7": {"train_batch_size": 7, "zero_optimization": zero}, "stage5": {"zero_optimization": {"stage": 5}},
               "typo": {"zero_optimization": {**zero, "overlap_comms": True}},
-              "scheduler": {"zero_optimization": zero, "scheduler": {"type": "WarmupLR", "params": {}}}}[args[1]]  # fmt: skip
+              "scheduler": {"zero_optimization": zero, "scheduler": {"type": "WarmupLR", "params": {}}},
+              "fixed": {"zero_optimization": zero, "train_batch_size": 8}}[args[1]]  # fmt: skip
         (tmp_path / "ds.json").write_text(json.dumps(ds))
         args = ["--deepspeed", str(tmp_path / "ds.json")]
     command = ["-m", "roformer_rope.scripts.pretrain"]
@@ -258,6 +261,57 @@ def test_a_refused_resume_leaves_the_run_untouched(finished, config, tmp_path):
     assert "--resume: checkpoint stage3-step0 was made from other data" in last, last
     after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
     assert sorted(after) == sorted(before) and all(after[p] == before[p] for p in before)
+
+
+MISALIGNED = TINY.replace("micro_batch: 4, checkpoint_every: 4, keep_checkpoints: 2", "micro_batch: 2, checkpoint_every: 100, keep_checkpoints: 5").replace(
+    "{name: short, max_length: 32, global_batch: 8, steps: 10", "{name: short, max_length: 32, global_batch: 6, steps: 5"
+)  # stage 1: 5 steps × 3 micro-batches = 15; stage 2 accumulates 2: DeepSpeed's own count would step mid-step
+
+
+def test_accumulation_steps_end_with_each_step_across_stages_and_resumes(tmp_path):
+    """A stage whose accumulation steps do not divide the micro-batches before it still steps the optimizer at the
+    end of each of its steps: a resume from the stage start (a fresh engine, counting from 0) gives the same run."""
+    import shutil
+
+    assert MISALIGNED.count("global_batch: 6, steps: 5") == 1 and "micro_batch: 2," in MISALIGNED
+    config = tmp_path / "misaligned.yaml"
+    config.write_text(MISALIGNED)
+    full = tmp_path / "full"
+    result = pretrain("--config", str(config), "--out", str(full), *LINES, "--no-export")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    (resumed / "checkpoints" / "latest").write_text("stage2-step0")
+    result = pretrain("--config", str(config), "--out", str(resumed), "--resume", *LINES, "--no-export")
+    assert result.returncode == 0, result.stderr[-3000:]
+    want, got = losses(full), losses(resumed)
+    assert sorted(got) == list(range(1, 12))
+    for step in range(6, 12):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
+
+
+def test_resume_refuses_another_zero_stage_or_precision(finished, config, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    for args, message in ((["--deepspeed", "zero3"], "was written with ZeRO stage 2, this run has 3; resume with the same --deepspeed"),
+                          (["--precision", "bf16"], "was written with precision fp32, this run has bf16")):  # fmt: skip
+        result = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES, *args)
+        assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+
+
+def test_zero3_stand_ins_are_grouped_by_their_real_shape():
+    """Under zero.Init a weight is an empty 1-D stand-in carrying `ds_shape`: it still gets weight decay."""
+    from roformer_rope.scripts.pretrain_engine import param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)  # what ZeRO-3 leaves on the module
+    decay, no_decay = param_groups(model, 0.01)
+    assert [p.ds_shape for p in decay["params"]] == [torch.Size([4, 4])] and decay["weight_decay"] == 0.01
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path):
