@@ -485,7 +485,7 @@ class Run:
         """(the step's loss averaged over the ranks, as the gradients are; its tokens summed over the ranks)."""
         if self.dist.world_size == 1:
             return loss, tokens
-        both = torch.tensor([loss, float(tokens)], dtype=torch.float64)
+        both = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.dist.device)  # nccl: on the GPU
         torch.distributed.all_reduce(both)
         return both[0].item() / self.dist.world_size, int(both[1].item())
 
