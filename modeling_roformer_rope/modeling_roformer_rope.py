@@ -222,6 +222,8 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             # eq. 19's placement on FAVOR+ features rotates vectors of size M = nb_features
             self.feature_rotary_emb = RoFormerRopeRotaryEmbedding(config, dim=config.performer_nb_features)
         self.layers = nn.ModuleList([RoFormerRopeLayer(config, i) for i in range(config.num_hidden_layers)])
+        # the cache layer a causal mask is sized against (linear-attention layers keep no keys)
+        self.first_softmax_layer = next((i for i, layer in enumerate(self.layers) if layer.mask_kind == "softmax"), 0)
         add_pooling_layer = config.add_pooler if add_pooling_layer is None else add_pooling_layer
         self.pooler = RoFormerRopePooler(config) if add_pooling_layer else None
         self.gradient_checkpointing = False
@@ -261,9 +263,8 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
     ) -> torch.Tensor | None:
         """Build the mask once per forward, in the form the attention backend wants."""
         if self.config.is_decoder:
-            first_softmax = next(i for i, layer in enumerate(self.layers) if layer.mask_kind == "softmax")
             return causal_mask(
-                layer_idx=first_softmax,
+                layer_idx=self.first_softmax_layer,
                 config=self.config,
                 inputs_embeds=hidden_states,
                 attention_mask=attention_mask,

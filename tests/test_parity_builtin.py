@@ -92,12 +92,17 @@ def test_hidden_states_and_attentions_match_builtin():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_greedy_generation_matches_builtin(attn):
+def generation_pair(attn: str):
+    """(built-in causal LM, ours converted from it on `attn`, a (2, 5) prompt)."""
     builtin = builtin_model("RoFormerForCausalLM", max_position_embeddings=128)
     ours = convert_model(builtin)
     ours.set_attn_implementation(attn)
-    prompt = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(1))
+    return builtin, ours, torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_generation_matches_builtin(attn):
+    builtin, ours, prompt = generation_pair(attn)
     kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     expected = builtin.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
     for use_cache in (True, False):
@@ -108,10 +113,7 @@ def test_greedy_generation_matches_builtin(attn):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_static_cache_generation_matches_builtin(attn):
     """`cache_implementation="static"` (transformers' compileable cache) asks the model for its masks first."""
-    builtin = builtin_model("RoFormerForCausalLM", max_position_embeddings=128)
-    ours = convert_model(builtin)
-    ours.set_attn_implementation(attn)
-    prompt = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(1))
+    builtin, ours, prompt = generation_pair(attn)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
     expected = builtin.generate(prompt, **kwargs)
     assert torch.equal(ours.generate(prompt, cache_implementation="static", **kwargs), expected)
