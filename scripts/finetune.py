@@ -52,6 +52,7 @@ from typing import Any, get_type_hints
 
 from transformers import EarlyStoppingCallback, HfArgumentParser, TrainerCallback, TrainingArguments
 
+from .mlm_data import id_space
 from .task_common import Splits, Task, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -300,8 +301,11 @@ def load_pretrained(task: Task, model_args: ModelArguments, max_length: int | No
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"--model {name}: cannot load its tokenizer: {str(error).splitlines()[0]}") from None
     _set_labels(config, task)
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"--model {name}: its tokenizer has {len(tokenizer)} tokens, the model's embedding only {config.vocab_size}")
+    if id_space(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"--model {name}: its tokenizer's ids reach {id_space(tokenizer) - 1}, the model's embedding has only "
+            f"{config.vocab_size} rows"
+        )
     auto = _auto_class(task)
     if model_args.random_init:
         model = auto.from_config(config, trust_remote_code=True)

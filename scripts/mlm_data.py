@@ -314,6 +314,12 @@ def sequence_body(stream: TokenStream, span: Sequence[int], sep_id: int) -> tupl
 # ---- 5. whole-word masking ---------------------------------------------------------------------------------
 
 
+def id_space(tokenizer) -> int:
+    """Embedding rows the tokenizer's ids need: the largest id + 1. It exceeds `len(tokenizer)` when a token is
+    repeated in vocab.txt (ids stay line numbers, as transformers reads the file)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
 class WholeWordMasker:
     """Builds MLM batches from packed sequences: `[CLS] body [SEP]`, padding, whole-word masks (15%, 80/10/10).
 
@@ -328,10 +334,12 @@ class WholeWordMasker:
         if None in (self.cls_id, self.sep_id, self.pad_id, self.mask_id):
             raise ValueError("the tokenizer needs [CLS], [SEP], [PAD] and [MASK] tokens for MLM pretraining")
         special = set(tokenizer.all_special_ids)
-        self.replacements = np.asarray([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+        # the ids that have a token: a token repeated in vocab.txt leaves its earlier line's id without one
+        owned = sorted(set(tokenizer.get_vocab().values()))
+        self.replacements = np.asarray([i for i in owned if i not in special], dtype=np.int64)
         if not len(self.replacements):
             raise ValueError(
-                f"the vocabulary holds only special tokens ({len(tokenizer)}): nothing to predict; the corpus is too "
+                f"the vocabulary holds only special tokens ({len(owned)}): nothing to predict; the corpus is too "
                 "small for a vocabulary (lower data.vocab_min_char_count, or give --vocab)"
             )
         self.probability = mlm_probability

@@ -255,7 +255,7 @@ class Run:
         section = {k: v for k, v in self.config.model.items() if k != "init_from"}
         if self.args.attention_type:
             section["attention_type"] = self.args.attention_type
-        vocab = len(self.tokenizer)
+        vocab = mlm_data.id_space(self.tokenizer)
         if self.config.architecture == "bert":
             spec = {"vocab_size": vocab, "max_position_embeddings": self.config.max_length, **section}
             spec.setdefault("pad_token_id", self.tokenizer.pad_token_id)
@@ -287,8 +287,11 @@ class Run:
             torch.manual_seed(self.config.train.seed)
             zero3 = self.ds_config if self.ds_config["zero_optimization"].get("stage") == 3 else None
             model = build_model(self.spec["config"], self.spec["architecture"], zero3)
-        if len(self.tokenizer) > model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, the model only {model.config.vocab_size}")
+        if mlm_data.id_space(self.tokenizer) > model.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer's ids reach {mlm_data.id_space(self.tokenizer) - 1}, the model has only "
+                f"{model.config.vocab_size} embedding rows"
+            )
         return model
 
     # -- the engine --

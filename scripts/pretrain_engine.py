@@ -272,9 +272,18 @@ def read_run_state(folder: Path) -> dict:
 
 def load_checkpoint(engine, root: Path, tag: str, dist: Dist) -> dict:
     """Restore engine, optimizer and this rank's RNG from `root/tag`; returns the run state."""
-    load_path, client = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
+    try:
+        load_path, client = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+    except ValueError as error:
+        if "number of parameter groups" not in str(error):
+            raise
+        raise ValueError(
+            f"--resume: checkpoint {root / tag}: its optimizer has another number of parameter groups than this "
+            "version's two (weight decay, none); ZeRO-3 runs written before 2026-11-25 have one. Export it "
+            f"(roformer-rope pretrain --export {root / tag} --out FOLDER) and continue from FOLDER with model.init_from"
+        ) from None
     if load_path is None:
         raise ValueError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{dist.rank}.pt"

@@ -46,6 +46,10 @@ def build_model(model_config: dict, architecture: str, zero3_config: dict | None
     With `zero3_config` (a resolved ZeRO-3 DeepSpeed config) the model is built the way transformers builds
     one under DeepSpeed: inside `deepspeed.zero.Init`, so every parameter is partitioned as soon as its module
     exists and no rank ever holds the full model (then initialised layer by layer, gathered).
+
+    Both ways draw the same weights from the same seed: construction draws nothing (torch's default
+    initialisers are off, as under `zero.Init`), then `_init_weights` runs module by module in the order
+    transformers' ZeRO-3 initialiser uses, so a ZeRO-1/2 run and a ZeRO-3 run start from one model.
     """
     if architecture == "bert":
         from transformers import BertConfig, BertForMaskedLM
@@ -56,7 +60,14 @@ def build_model(model_config: dict, architecture: str, zero3_config: dict | None
 
         cls, config = RoFormerRopeForMaskedLM, RoFormerRopeConfig(**model_config)
     if zero3_config is None:
-        return cls(config)
+        from transformers.initialization import guard_torch_init_functions, no_init_weights
+
+        with no_init_weights():
+            model = cls(config)
+        with torch.no_grad(), guard_torch_init_functions():
+            model.initialize_weights()
+        model.tie_weights()
+        return model
     from transformers.integrations import HfDeepSpeedConfig
 
     zero3 = HfDeepSpeedConfig(zero3_config)  # transformers uses zero.Init while this object is alive

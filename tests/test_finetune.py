@@ -416,6 +416,26 @@ def test_bert_folder_with_our_tokenizer_loads(tmp_path, small_tokenizer):
         finetune.load_pretrained(task_long.TASK, finetune.ModelArguments(model=str(tmp_path)), max_length=1024)
 
 
+def test_a_tokenizer_whose_ids_pass_the_embedding_is_refused(tmp_path, small_tokenizer):
+    """A token repeated in vocab.txt makes the largest id `len(tokenizer)`: a model sized `len(tokenizer)` rows is
+    refused by name instead of an IndexError in the first batch."""
+    import transformers
+
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    lines = small_tokenizer.convert_ids_to_tokens(list(range(len(small_tokenizer))))
+    (tmp_path / "vocab.txt").write_text("\n".join([*lines, lines[6]]) + "\n")
+    tokenizer = RoFormerRopeTokenizer(vocab_file=str(tmp_path / "vocab.txt"))
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    message = f"its tokenizer's ids reach {len(lines)}, the model's embedding has only {len(lines)} rows"
+    with pytest.raises(ValueError, match=message):
+        finetune.load_pretrained(task_ner.TASK, finetune.ModelArguments(model=str(tmp_path / "model")))
+
+
 def test_early_stopping_waits_for_the_start_fraction():
     from transformers import TrainerControl, TrainerState, TrainingArguments
 

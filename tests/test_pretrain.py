@@ -290,6 +290,21 @@ def test_accumulation_steps_end_with_each_step_across_stages_and_resumes(tmp_pat
         assert got[step] == pytest.approx(want[step], abs=1e-6), step
 
 
+def test_a_given_vocab_with_a_repeated_token_sizes_the_model_by_its_largest_id(finished, config, tmp_path):
+    """`--vocab` whose last line repeats an earlier token: that id is `len(tokenizer)`, one past a
+    `len(tokenizer)`-row embedding; the model is sized by the largest id and trains."""
+    lines = (finished / "tokenizer" / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "vocab.txt").write_text("\n".join([*lines, lines[10]]) + "\n", encoding="utf-8")
+    run = tmp_path / "run"
+    result = pretrain(
+        "--config", str(config), "--out", str(run), "--vocab", str(tmp_path / "vocab.txt"), *LINES, "--no-export"
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 repeated token(s)" in result.stderr
+    spec = json.loads(next((run / "checkpoints").glob("*/model_config.json")).read_text())
+    assert spec["config"]["vocab_size"] == len(lines) + 1
+
+
 def test_resume_refuses_another_zero_stage_or_precision(finished, config, tmp_path):
     import shutil
 
@@ -299,6 +314,42 @@ def test_resume_refuses_another_zero_stage_or_precision(finished, config, tmp_pa
                           (["--precision", "bf16"], "was written with precision fp32, this run has bf16")):  # fmt: skip
         result = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES, *args)
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+
+
+def test_a_checkpoint_with_one_parameter_group_is_refused_with_the_way_out(config, tmp_path):
+    """ZeRO-3 checkpoints written before weight decay was grouped by `ds_shape` hold one parameter group (a
+    run with `param_groups` merged into one writes the same); resuming names the checkpoint and the export path."""
+    old_version = (
+        "import sys; from roformer_rope.scripts import pretrain, pretrain_engine as e; grouped = e.param_groups; "
+        "e.param_groups = lambda m, wd: [{'params': [p for g in grouped(m, wd) for p in g['params']], "
+        "'weight_decay': 0.0}]; sys.argv[0] = 'roformer-rope pretrain'; sys.exit(pretrain.main())"
+    )
+    run = tmp_path / "run"
+    args = ["--config", str(config), "--out", str(run), *LINES, "--deepspeed", "zero3", "--no-export"]
+    result = subprocess.run(
+        [sys.executable, "-c", old_version, *args], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run / "checkpoints" / "latest").write_text("stage2-step2")
+    result = pretrain(*args, "--resume")
+    assert result.returncode == 2, result.stderr[-3000:]
+    tag = run / "checkpoints" / "stage2-step2"
+    assert f"error: --resume: checkpoint {tag}: its optimizer has another number of parameter groups" in result.stderr
+    assert f"roformer-rope pretrain --export {tag} --out FOLDER" in result.stderr
+
+
+def test_zero3_starts_from_the_same_weights_and_follows_the_same_curve_as_zero2(finished, config, tmp_path):
+    """Same seed, same model: ZeRO-3 builds it partitioned under `zero.Init`, ZeRO-2 whole, and both draw the same
+    initial weights, so the first loss is the same number and the curves stay together (fp32, one process)."""
+    run = tmp_path / "zero3"
+    result = pretrain("--config", str(config), "--out", str(run), *LINES, "--deepspeed", "zero3", "--no-export")
+    assert result.returncode == 0, result.stderr[-3000:]
+    zero2, zero3 = losses(finished), losses(run)
+    assert sorted(zero3) == sorted(zero2) == list(range(1, 17))
+    assert zero3[1] == pytest.approx(zero2[1], abs=1e-5)
+    for step in zero2:
+        assert zero3[step] == pytest.approx(zero2[step], abs=1e-4), step
 
 
 def test_zero3_stand_ins_are_grouped_by_their_real_shape():

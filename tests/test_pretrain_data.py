@@ -252,6 +252,18 @@ def test_a_vocabulary_of_special_tokens_only_is_refused(tmp_path):
         mlm_data.WholeWordMasker(RoFormerRopeTokenizer(vocab_file=str(tmp_path / "vocab.txt")))
 
 
+def test_a_repeated_vocab_token_leaves_a_hole_the_masker_and_the_model_size_respect(tmp_path):
+    """ids stay line numbers: a token on lines 6 and 8 has id 7, id 5 has no token, and the last id (9) is
+    `len(tokenizer)`. Random replacements come from the ids that have a token; the model needs 10 rows."""
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    (tmp_path / "vocab.txt").write_text("\n".join(SPECIAL + ["的", "了", "的", "是", "中"]) + "\n", encoding="utf-8")
+    tokenizer = RoFormerRopeTokenizer(vocab_file=str(tmp_path / "vocab.txt"))
+    assert len(tokenizer) == 9 and tokenizer.convert_tokens_to_ids("中") == 9
+    assert mlm_data.id_space(tokenizer) == 10
+    assert mlm_data.WholeWordMasker(tokenizer).replacements.tolist() == [6, 7, 8, 9]
+
+
 def test_a_staged_stream_replaces_the_folder_only_when_accepted(tokenizer, tmp_path):
     import datasets
 
