@@ -15,6 +15,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.loss.loss_utils import fixed_cross_entropy
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -46,6 +47,20 @@ logger = logging.get_logger(__name__)
 def _wide(x: torch.Tensor) -> torch.Tensor:
     """x in float32 (float64 stays float64): losses and norms of low-precision models are computed there."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _float64_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """transformers' MLM / token-classification cross-entropy for a float64 model: theirs calls `.float()`, so the
+    loss (and `gradcheck`) would drop to float32; the built-in RoFormer's stays float64."""
+    logits = logits.reshape(-1, logits.shape[-1])  # (rows, K)
+    return fixed_cross_entropy(logits, labels.reshape(-1).to(logits.device), **kwargs)
+
+
+def _check_label_shape(labels: torch.Tensor, shape: torch.Size) -> None:
+    """Per-token labels have the tokens' shape (or its flattened form): flattened, a mis-shaped tensor would pair
+    labels with the wrong rows."""
+    if labels.shape != shape and labels.shape != (shape.numel(),):
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match the input shape {tuple(shape)}")
 
 
 class RoFormerRopeRMSNorm(nn.Module):
@@ -430,9 +445,12 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state  # (B, T, C)
+        if labels is not None:
+            _check_label_shape(labels, hidden_states.shape[:-1])
         if labels is not None and self.config.sparse_prediction:
             # Only the masked ~15% of tokens carry a label: run the vocabulary projection (the largest GEMM of
             # an MLM step) on those rows only. Logits then have shape (N_labelled, V).
@@ -441,7 +459,9 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
             labels = labels.reshape(-1)[keep]  # (N,)
         logits = self.lm_head(hidden_states)  # (B, T, V), or (N, V) with sparse_prediction
         loss = None
-        if labels is not None and self.config.sparse_prediction:  # every row already carries a label
+        if labels is not None and logits.dtype == torch.float64:
+            loss = _float64_cross_entropy(logits, labels, **kwargs)
+        elif labels is not None and self.config.sparse_prediction:  # every row already carries a label
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         elif labels is not None:
             loss = self._mlm_loss(logits, labels, **kwargs)
@@ -519,6 +539,7 @@ class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -584,6 +605,7 @@ class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
         logits = self.classifier(outputs.last_hidden_state)
@@ -623,11 +645,16 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
         loss = None
         if labels is not None:
+            _check_label_shape(labels, logits.shape[:-1])
+        if labels is not None and logits.dtype == torch.float64:
+            loss = _float64_cross_entropy(logits, labels, **kwargs)
+        elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, config=self.config, **kwargs)
         return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
@@ -665,6 +692,7 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
         logits = self.qa_outputs(outputs.last_hidden_state)  # (B, T, 2)
@@ -713,6 +741,13 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
         if source is None or source.dim() < 3:
             raise ValueError("RoFormerRopeForMultipleChoice expects inputs of shape (batch, num_choices, seq_len)")
         num_choices = source.shape[1]
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            # (B, N, T) per choice (a 5-D attention mask (B, N, heads, T, T) is checked after flattening)
+            if t is not None and (t.shape[:2] != source.shape[:2] or (t.dim() == 3 and t.shape != source.shape[:3])):
+                raise ValueError(
+                    f"{name} shape {tuple(t.shape)} must be the inputs' (batch, num_choices, seq_len) = "
+                    f"{tuple(source.shape[:3])}: one row per choice"
+                )
 
         def flat(t: torch.Tensor | None) -> torch.Tensor | None:
             # (B, N, T, ...) → (B·N, T, ...): every choice is an independent sequence.
@@ -724,6 +759,7 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
             token_type_ids=flat(token_type_ids),
             position_ids=flat(position_ids),
             inputs_embeds=flat(inputs_embeds),
+            return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
         index = 0 if self.config.summary_type == "first" else -1

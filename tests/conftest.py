@@ -26,9 +26,14 @@ def tiny_config(**overrides) -> rr.RoFormerRopeConfig:
     return rr.RoFormerRopeConfig(**{**TINY, **overrides})
 
 
+SHARPEN = 15.0  # query/key weight scale: attention logits of std ~2-3 instead of ~0.01
+
+
 @torch.no_grad()
 def randomise_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Non-trivial norm gains and biases, so a mapping mistake on them cannot hide behind ones/zeros."""
+    """Non-trivial norm gains and biases, so a mapping mistake on them cannot hide behind ones/zeros, and query/key
+    weights scaled by SHARPEN: at the 0.02 initialiser range attention is nearly uniform, and a position
+    (rotary) mistake would move the outputs by only ~1e-5."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if "LayerNorm" in name or ".norm." in name or name.endswith("_norm.weight") or name.endswith("_norm.bias"):
@@ -36,6 +41,10 @@ def randomise_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             param.copy_(center + 0.2 * torch.randn(param.shape, generator=generator))
         elif name.endswith("bias"):
             param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+        if name.endswith(("self.query.weight", "self.key.weight")):  # built-in layout
+            param.mul_(SHARPEN)
+        elif name.endswith("attention.qkv.weight"):  # ours: rows [query; key; value]
+            param[: 2 * param.shape[0] // 3].mul_(SHARPEN)
     return model
 
 

@@ -93,6 +93,31 @@ def test_other_bad_inputs():
         model(inputs_embeds=torch.ones(5, 32))
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("head", ["mlm", "token"])
+def test_per_token_labels_of_another_shape_are_refused(head, sparse):
+    """Flattened, (2, 6) labels would pair with the wrong (2, 7) rows and give a loss; the flat (14,) form is fine."""
+    config = tiny_config(sparse_prediction=sparse, num_labels=3)
+    model = (rr.RoFormerRopeForMaskedLM if head == "mlm" else rr.RoFormerRopeForTokenClassification)(config).eval()
+    ids = torch.randint(5, 90, (2, 7))
+    labels = torch.randint(0, 3, (2, 7))
+    for shape in [(2, 6), (1, 7), (13,), (2, 8)]:
+        with pytest.raises(ValueError, match=rf"labels shape \({shape[0]}, ?{shape[1] if len(shape) > 1 else ''}\) does not"):
+            model(ids, labels=labels.reshape(-1)[: torch.Size(shape).numel()].reshape(shape) if shape != (2, 8) else
+                  torch.zeros(2, 8, dtype=torch.long))  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels=labels.reshape(-1)).loss, model(ids, labels=labels).loss)
+
+
+def test_multiple_choice_masks_must_have_one_row_per_choice():
+    model = rr.RoFormerRopeForMultipleChoice(tiny_config()).eval()
+    ids = torch.randint(5, 90, (2, 3, 7))
+    for name, shape in [("attention_mask", (2, 7)), ("token_type_ids", (2, 7)), ("attention_mask", (2, 3, 6))]:
+        message = rf"{name} shape \({', '.join(map(str, shape))}\) must be the inputs' .* = \(2, 3, 7\)"
+        with pytest.raises(ValueError, match=message):
+            model(ids, **{name: torch.ones(shape, dtype=torch.long)})
+
+
 def test_4d_mask_needs_an_eager_or_sdpa_backend():
     model = model_of()
     batch = padded_batch()

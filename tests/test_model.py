@@ -224,6 +224,37 @@ def test_float64_models_compute_in_float64(variant):
         torch.testing.assert_close(padded, decoder(ids[1:, 2:]).logits)  # the row alone, unpadded
 
 
+@pytest.mark.parametrize("head", [rr.RoFormerRopeForMaskedLM, rr.RoFormerRopeForTokenClassification])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_float64_token_losses_stay_float64(head, sparse):
+    """transformers' MLM and token-classification losses call `.float()`; a float64 model's loss stays float64 (as
+    the built-in's, which calls `CrossEntropyLoss` itself), so `gradcheck` of the loss passes."""
+    model = model_of(head, hidden_size=8, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1, vocab_size=20,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, sparse_prediction=sparse).double()  # fmt: skip
+    labels = torch.tensor([[1, -100, 0, -100, 1]])
+    embeds = torch.randn(1, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert model(inputs_embeds=embeds, labels=labels).loss.dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda e: model(inputs_embeds=e, labels=labels).loss, (embeds,))
+
+
+@pytest.mark.parametrize("head", [rr.RoFormerRopeForMaskedLM, rr.RoFormerRopeForCausalLM, rr.RoFormerRopeForSequenceClassification,
+                                  rr.RoFormerRopeForTokenClassification, rr.RoFormerRopeForQuestionAnswering,
+                                  rr.RoFormerRopeForMultipleChoice])  # fmt: skip
+def test_a_config_with_return_dict_false_gets_tuples_from_every_head(head):
+    """`from_pretrained(..., return_dict=False)` sets the config: every head returns its output's tuple (the base
+    model inside still hands the head its fields), as the built-in heads do."""
+    extra = {"is_decoder": True} if head is rr.RoFormerRopeForCausalLM else {}
+    model = model_of(head, **extra)
+    ids = torch.randint(5, 90, (2, 7))
+    inputs = ids[:, None].expand(2, 3, 7) if head is rr.RoFormerRopeForMultipleChoice else ids
+    with torch.no_grad():
+        want = model(inputs).to_tuple()
+        model.config.return_dict = False
+        got = model(inputs)
+    assert type(got) is tuple and len(got) == len(want)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+
+
 def test_gradient_checkpointing_gives_same_gradients():
     def grads(checkpointing: bool):
         model = model_of(rr.RoFormerRopeForMaskedLM)
