@@ -45,10 +45,14 @@ def builtin_config(layers: int, max_positions: int) -> transformers.RoFormerConf
 def make_pair(
     layers: int, max_positions: int = 8192, head: str = "base", attn: str = "sdpa", seed: int = 0
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(built-in, ours) with identical random weights. head: "base" (the encoder) or "mlm"."""
+    """(built-in, ours) with identical random weights. head: "base" (the encoder), "mlm" or "causal" (a decoder with
+    the LM head, for generation)."""
     torch.manual_seed(seed)
     config = builtin_config(layers, max_positions)
-    cls = transformers.RoFormerModel if head == "base" else transformers.RoFormerForMaskedLM
+    if head == "causal":
+        config.is_decoder = True
+    cls = {"base": transformers.RoFormerModel, "mlm": transformers.RoFormerForMaskedLM,
+           "causal": transformers.RoFormerForCausalLM}[head]  # fmt: skip
     builtin = cls(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a conversion slip cannot hide behind 1/0
         g = torch.Generator().manual_seed(seed)

@@ -32,6 +32,7 @@ import bench_bf16  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_floor  # noqa: E402
 import bench_forward  # noqa: E402
+import bench_generate  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_train  # noqa: E402
 import export_onnx  # noqa: E402
@@ -47,7 +48,7 @@ from common import (  # noqa: E402
     shape_name,
 )
 
-BENCHMARKS = ("forward", "train", "memory", "bf16", "compile", "export")
+BENCHMARKS = ("forward", "train", "memory", "bf16", "compile", "generate", "export")
 
 
 def plan(quick: bool, reps: int | None) -> dict:
@@ -169,6 +170,29 @@ def summary(sections: dict[str, Section]) -> str:
                     mark(r["bf16_vs_floor"], bench_bf16.FLOOR_GOAL if "amx_bf16" in cpu_flags() else None, higher=False),
                 ]
             )
+    for r in sections["generate"].data["rows"] if "generate" in sections else []:
+        for label, key, speedup in (("dynamic", "ours_s", "speedup"), ("static", "static_s", "static_speedup")):
+            rows.append(
+                [
+                    f"greedy generation +{bench_generate.NEW_TOKENS} tokens, ours {label} cache",
+                    r["prompts"],
+                    f"{fmt_ms(r['builtin_s'])} ms",
+                    f"{fmt_ms(r[key])} ms",
+                    f"{r[speedup]:.2f}×",
+                    mark(r[speedup], bench_generate.GOAL),
+                ]
+            )
+    for r in sections["first_forward"].data["rows"][:1] if "first_forward" in sections else []:
+        rows.append(
+            [
+                "first forward of a fresh process (ours: + calibration)",
+                "1×128",
+                f"{fmt_ms(r['builtin_s'])} ms",
+                f"{fmt_ms(r['ours_s'])} ms",
+                f"{r['builtin_s'] / r['ours_s']:.2f}× (one-time)",
+                "",
+            ]
+        )
     for r in sections["compile"].data["rows"] if "compile" in sections else []:
         rows.append(
             [
@@ -253,6 +277,8 @@ def main() -> int:
             found = bench_bf16.run(layers, p["reps"], p["bf16"])
         elif name == "compile":
             found = bench_compile.run(layers, p["reps"], p["compile"])
+        elif name == "generate":
+            found = bench_generate.run(layers, p["reps"])
         else:
             found = export_onnx.run(layers)
         for section in found:

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 _choices: dict[tuple, str] = {}
 _timings: dict[tuple, dict[str, float]] = {}
 _forced: dict[str, str | None] = {}
+_checked: set[tuple] = set()  # (key, forced path) pairs known to name a candidate
 KINDS = ("linear", "linear_backward", "linear_gelu", "linear_packed", "attention", "sdpa_layout")
 
 
@@ -97,18 +98,29 @@ def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -
     return best
 
 
-def choose(key: tuple, candidates: dict[str, Callable[[], object]]) -> str:
-    """The fastest candidate for `key` (measured on first use, then cached). key[0] names the decision kind."""
-    path = forced(key[0])
+Candidates = dict[str, Callable[[], object]]
+
+
+def choose(key: tuple, candidates: Candidates | Callable[[], Candidates]) -> str:
+    """The fastest candidate for `key` (measured on first use, then cached). key[0] names the decision kind.
+
+    `candidates` may be a function returning them, called only when `key` is decided: a lookup then costs no
+    proxy slices or closures (a decode step's linears are called thousands of times, ~100 µs each)."""
+    path = _forced.get(key[0])
     if path is not None:
-        if path not in candidates:
-            raise ValueError(
-                f"roformer_rope dispatch: {key[0]} forced to {path!r} (by ROFORMER_ROPE_FORCE or force()); "
-                f"the paths are {sorted(candidates)}"
-            )
+        if (key, path) not in _checked:
+            names = candidates() if callable(candidates) else candidates
+            if path not in names:
+                raise ValueError(
+                    f"roformer_rope dispatch: {key[0]} forced to {path!r} (by ROFORMER_ROPE_FORCE or force()); "
+                    f"the paths are {sorted(names)}"
+                )
+            _checked.add((key, path))
         return path
     choice = _choices.get(key)
     if choice is None:
+        if callable(candidates):
+            candidates = candidates()
         with torch.no_grad():
             times = _time_interleaved(candidates, key)
         if not times:
@@ -133,8 +145,9 @@ def decisions() -> list[dict]:
 
 
 def row_bucket(rows: int) -> int:
-    """Rows of a GEMM grouped by powers of 4 (64, 256, 1024, ...): GEMM efficiency changes slowly with them."""
-    bucket = 64
+    """Rows of a GEMM grouped by powers of 4 (1, 4, 16, 64, 256, ...): GEMM efficiency changes slowly with them,
+    except at a few rows, where a decode step's one-row GEMV wants other kernels than its prompt's GEMM."""
+    bucket = 1
     while bucket < rows and bucket < 4096:
         bucket *= 4
     return bucket

@@ -33,6 +33,7 @@ kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,10 +108,26 @@ def read_settings() -> Settings:
 settings = read_settings()
 
 
+def _onnx_exporting() -> Callable[[], bool]:
+    """`torch.onnx.is_in_onnx_export` without its two imports per call (~4 µs, thrice per linear layer)."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+        return lambda: GLOBALS.in_onnx_export or _flags._is_onnx_exporting
+    except (ImportError, AttributeError):
+        return torch.onnx.is_in_onnx_export
+
+
+_EXPORTING = getattr(torch.compiler, "is_exporting", lambda: False)
+_ONNX_EXPORTING: list = []  # resolved on first use (importing the exporter's modules takes a moment)
+
+
 def tracing() -> bool:
     """torch.compile / torch.export / jit / ONNX tracing: the payload's eager-only fast paths step aside."""
-    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-    return torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    if not _ONNX_EXPORTING:
+        _ONNX_EXPORTING.append(_onnx_exporting())
+    return torch.compiler.is_compiling() or _EXPORTING() or torch.jit.is_tracing() or _ONNX_EXPORTING[0]()
 
 
 def _onednn_op():
@@ -230,20 +247,25 @@ _PROXY_ROWS = 256  # rows of the slice a shape class is timed on
 def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> str:
     """oneDNN (with its operand transposes) or BLAS `mm` (reads transposes in place) for the backward GEMMs."""
     key = ("linear_backward", str(go.dtype), weight.shape[1], weight.shape[0], row_bucket(go.shape[0]))
-    g, x = go[:_PROXY_ROWS], x2d[:_PROXY_ROWS]
 
-    def onednn():
-        _mm(g, weight.t().contiguous(), None)
-        _mm(g.t().contiguous(), x.t().contiguous(), None)
+    def candidates():
+        g, x = go[:_PROXY_ROWS], x2d[:_PROXY_ROWS]
 
-    def blas():
-        g.mm(weight)
-        g.t().mm(x)
+        def onednn():
+            _mm(g, weight.t().contiguous(), None)
+            _mm(g.t().contiguous(), x.t().contiguous(), None)
 
-    return choose(key, {"onednn": onednn, "torch": blas})
+        def blas():
+            g.mm(weight)
+            g.t().mm(x)
+
+        return {"onednn": onednn, "torch": blas}
+
+    return choose(key, candidates)
 
 
-def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _onednn_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None = None) -> bool:
+    """oneDNN's GEMM can run this linear (`traced`: `tracing()` if the caller has it already)."""
     return (
         _LINEAR_POINTWISE is not None
         and x.device.type == "cpu"
@@ -251,7 +273,7 @@ def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
-        and not tracing()
+        and not (tracing() if traced is None else traced)
     )
 
 
@@ -272,9 +294,13 @@ def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """oneDNN or `F.linear` for this GEMM's shape class, measured once (see `calibration_roformer_rope.py`)."""
     rows = x.numel() // x.shape[-1]
     key = ("linear", str(x.dtype), weight.shape[1], weight.shape[0], row_bucket(rows))
-    proxy = x.detach().reshape(-1, x.shape[-1])[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
-    w, b = weight.detach(), None if bias is None else bias.detach()
-    return choose(key, {"onednn": lambda: _mm(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)})
+
+    def candidates():
+        proxy = x.detach().reshape(-1, x.shape[-1])[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        return {"onednn": lambda: _mm(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)}
+
+    return choose(key, candidates)
 
 
 # Packing pays where the weight's layout is a large share of the GEMM (few rows), and the calibration proxy (≤ 256
@@ -282,7 +308,7 @@ def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 PACK_MAX_ROWS = 1024
 
 
-def _packing_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _packing_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None = None) -> bool:
     """Float32 CPU inference on ≤ PACK_MAX_ROWS rows, eager, MKL's packed GEMM available and not switched off.
     Not for DeepSpeed ZeRO-3 parameters (`ds_id`): a pack per gathered layer would undo the partitioning."""
     return (
@@ -297,13 +323,14 @@ def _packing_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and 0 < x.numel() <= PACK_MAX_ROWS * x.shape[-1]
         and not hasattr(weight, "ds_id")
         and not torch.is_autocast_enabled("cpu")
-        and not tracing()
+        and not (tracing() if traced is None else traced)
     )
 
 
-def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The faster of oneDNN (`_mm`) and `F.linear` for this shape class (`F.linear` where oneDNN does not apply)."""
-    if _onednn_applies(x2d, weight) and _forward_choice(x2d, weight, bias) == "onednn":
+def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None):
+    """The faster of oneDNN (`_mm`) and `F.linear` for this shape class (`F.linear` where oneDNN does not apply;
+    `onednn`: `_onednn_applies` if the caller has it already)."""
+    if (_onednn_applies(x2d, weight) if onednn is None else onednn) and _forward_choice(x2d, weight, bias) == "onednn":
         return _mm
     return F.linear
 
@@ -311,20 +338,28 @@ def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _packed_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm) -> str:
     """ "packed" (MKL's GEMM on a weight packed once, `prepack_roformer_rope.py`) or "unpacked" (`gemm`), measured."""
     key = ("linear_packed", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
-    proxy = x2d[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
-    w, b = weight.detach(), None if bias is None else bias.detach()
-    return choose(key, {"packed": proxy_gemm(proxy, w, b), "unpacked": lambda: gemm(proxy, w, b)})
+
+    def candidates():
+        proxy = x2d[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        return {"packed": proxy_gemm(proxy, w, b), "unpacked": lambda: gemm(proxy, w, b)}
+
+    return choose(key, candidates)
 
 
-def _inference_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def _inference_choice(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None, traced: bool = False
+):
     """(the faster unpacked GEMM, whether the packed one beats it) for x2d's shape class, each measured once."""
-    gemm = _unpacked_gemm(x2d, weight, bias)
-    return gemm, _packing_applies(x2d, weight) and _packed_choice(x2d, weight, bias, gemm) == "packed"
+    gemm = _unpacked_gemm(x2d, weight, bias, onednn)
+    return gemm, _packing_applies(x2d, weight, traced) and _packed_choice(x2d, weight, bias, gemm) == "packed"
 
 
-def _inference_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class."""
-    gemm, packed = _inference_choice(x2d, weight, bias)
+def _inference_linear(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None
+) -> torch.Tensor:
+    """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class (eager only)."""
+    gemm, packed = _inference_choice(x2d, weight, bias, onednn)
     if packed:
         y = packed_linear(x2d.contiguous(), weight, bias)  # None until the weight has run twice at N rows
         if y is not None:
@@ -351,13 +386,18 @@ def linear(
     grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if grad and weight.requires_grad and not tracing():
+    traced = tracing()  # once per call: every check below needs it
+    if grad and weight.requires_grad and not traced:
         forget(weight)  # training is about to change the weight: free its inference pack now
-    if not _onednn_applies(x, weight) and (grad or not _packing_applies(x, weight)):
-        if _autocast_to_native_bf16(x):
+    onednn = _onednn_applies(x, weight, traced)
+    if not onednn and (grad or not _packing_applies(x, weight, traced)):
+        if not traced and _autocast_to_native_bf16(x):
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
             # back through the casts in float32), but through the node below: its backward skips zero gradient rows.
             low = [t if t is None else t.to(torch.bfloat16) for t in (x, weight, bias)]
+            if not grad:  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
+                x2d = low[0].reshape(-1, x.shape[-1])  # (N, I)
+                return _inference_linear(x2d, low[1], low[2], True).view(*x.shape[:-1], weight.shape[0])  # (..., O)
             with torch.autocast("cpu", enabled=False):
                 return linear(*low, zero_grad_rows)
         return F.linear(x, weight, bias)
@@ -367,7 +407,8 @@ def linear(
         # DDP bucket their reductions by, and two ranks that measured differently would exchange buckets of
         # different sizes (gloo aborts: "Received data size doesn't match expected size").
         return _OneDNNLinear.apply(x, weight, bias, zero_grad_rows)
-    return _inference_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])  # (..., O)
+    x2d = x.reshape(-1, x.shape[-1])  # (N, I)
+    return _inference_linear(x2d, weight, bias, onednn).view(*x.shape[:-1], weight.shape[0])  # (..., O)
 
 
 class RoFormerRopeLinear(nn.Linear):
@@ -437,19 +478,23 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
     """GELU in oneDNN's GEMM epilogue ("fused") or the GEMM then an in-place GELU ("separate"), measured: the
     epilogue saves a pass over the (N, O) output with one thread and loses with two on Sapphire Rapids."""
     key = ("linear_gelu", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
-    proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
 
-    def fused():
-        _LINEAR_POINTWISE(proxy, weight, bias, "gelu", [], "none")
+    def candidates():
+        proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
 
-    gemm = []  # the GEMM `separate` stands for, looked up once, only if timed
+        def fused():
+            _LINEAR_POINTWISE(proxy, weight, bias, "gelu", [], "none")
 
-    def separate():
-        if not gemm:
-            gemm.append(_proxy_gemm(x2d, weight, bias))
-        torch.ops.aten.gelu_(gemm[0]())
+        gemm = []  # the GEMM `separate` stands for, looked up once, only if timed
 
-    return choose(key, {"fused": fused, "separate": separate})
+        def separate():
+            if not gemm:
+                gemm.append(_proxy_gemm(x2d, weight, bias))
+            torch.ops.aten.gelu_(gemm[0]())
+
+        return {"fused": fused, "separate": separate}
+
+    return choose(key, candidates)
 
 
 def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -> torch.Tensor:

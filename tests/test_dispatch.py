@@ -227,6 +227,41 @@ def test_each_sdpa_layout_equals_the_builtin(forced, monkeypatch, layout):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_decided_class_costs_a_lookup_and_forced_paths_are_checked_once(forced):
+    """Candidates given as a function are built only when the class is decided (a decode step's GEMMs run
+    thousands of times); a forced path is checked against them once per class."""
+    calibration.reset()
+    built = []
+
+    def candidates():
+        built.append(1)
+        return {"a": lambda: None, "b": lambda: None}
+
+    key = ("linear", "test", 1, 2, 3)
+    first = calibration.choose(key, candidates)
+    assert first in ("a", "b") and len(built) == 1
+    assert all(calibration.choose(key, candidates) == first for _ in range(5)) and len(built) == 1
+    forced(linear="b")
+    assert [calibration.choose(key, candidates) for _ in range(3)] == ["b"] * 3 and len(built) == 2
+    forced(linear="c")
+    with pytest.raises(ValueError, match=r"linear forced to 'c' .* the paths are \['a', 'b'\]"):
+        calibration.choose(key, candidates)
+
+
+@needs_onednn
+def test_decode_steps_get_their_own_gemm_classes(forced):
+    """A one-row decode GEMM is not decided by its prompt's: prompt rows and a single row fall in other buckets."""
+    assert [calibration.row_bucket(n) for n in (1, 2, 4, 5, 16, 17, 64, 65, 300, 5000)] == [
+        1, 4, 4, 16, 16, 64, 64, 256, 1024, 4096]  # fmt: skip
+    forced(linear=None)  # measured, whatever the environment says
+    calibration.reset()
+    layer = fast.RoFormerRopeLinear(48, 40)
+    with torch.no_grad():
+        prompt, step = layer(torch.randn(1, 16, 48)), layer(torch.randn(1, 1, 48))
+    buckets = {d["class"][-1] for d in calibration.decisions() if d["class"][0] == "linear"}
+    assert buckets == {16, 1} and prompt.shape == (1, 16, 40) and step.shape == (1, 1, 40)
+
+
 def test_a_forced_path_must_exist(forced):
     forced(sdpa_layout="dense")
     q, k, v = _fused_views(1, 600)

@@ -179,6 +179,26 @@ def test_bf16_autocast_linear_equals_autocast_f_linear_and_skips_zero_rows(monke
 
 @needs_onednn
 @pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
+@pytest.mark.parametrize("path", ["onednn", "torch"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_bf16_autocast_inference_runs_the_chosen_bf16_gemm_directly(path, mode):
+    """At inference under bf16 autocast the linear calls the bf16 GEMM chosen for the shape class itself (no nested
+    autocast region): autocast's own F.linear result, bf16, on every path."""
+    calibration.force("linear", path)
+    try:
+        module = lin.RoFormerRopeLinear(64, 96)
+        for shape in [(1, 1, 64), (2, 9, 64), (300, 64)]:
+            x = torch.randn(shape)
+            with mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = module(x), F.linear(x, module.weight, module.bias)
+            assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    finally:
+        calibration.force("linear", None)
+
+
+@needs_onednn
+@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
 def test_bf16_autocast_training_step_matches_the_builtin():
     """A dense-head MLM step under bf16 autocast: loss and tied-embedding gradient as the built-in's (bf16 noise)."""
     from conftest import builtin_model, padded_batch
