@@ -87,6 +87,7 @@ def run_generation(layers: int, reps: int) -> Section:
 
 CHILD = """
 import json, sys, time, torch
+torch.set_num_threads({threads})
 sys.path.insert(0, {bench!r})
 from common import make_pair, random_batch
 builtin, ours = make_pair({layers}, max_positions=512)
@@ -103,7 +104,7 @@ print(json.dumps(times))
 
 
 def run_first_forward(layers: int, processes: int = 3) -> Section:
-    code = CHILD.format(bench=str(Path(__file__).parent), layers=layers)
+    code = CHILD.format(bench=str(Path(__file__).parent), layers=layers, threads=torch.get_num_threads())
     times: dict[str, list[list[float]]] = {"builtin": [], "ours": []}
     for _ in range(processes):
         for side in times:  # alternating, each in a fresh process

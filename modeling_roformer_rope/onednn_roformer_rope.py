@@ -348,7 +348,11 @@ def _packed_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _inference_choice(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None, traced: bool = False
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    onednn: bool | None = None,
+    traced: bool | None = None,
 ):
     """(the faster unpacked GEMM, whether the packed one beats it) for x2d's shape class, each measured once."""
     gemm = _unpacked_gemm(x2d, weight, bias, onednn)
@@ -359,7 +363,7 @@ def _inference_linear(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None
 ) -> torch.Tensor:
     """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class (eager only)."""
-    gemm, packed = _inference_choice(x2d, weight, bias, onednn)
+    gemm, packed = _inference_choice(x2d, weight, bias, onednn, False)  # eager: `linear` checked tracing
     if packed:
         y = packed_linear(x2d.contiguous(), weight, bias)  # None until the weight has run twice at N rows
         if y is not None:
@@ -395,7 +399,7 @@ def linear(
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
             # back through the casts in float32), but through the node below: its backward skips zero gradient rows.
             low = [t if t is None else t.to(torch.bfloat16) for t in (x, weight, bias)]
-            if not grad:  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
+            if not grad and x.numel() > 0:  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
                 x2d = low[0].reshape(-1, x.shape[-1])  # (N, I)
                 return _inference_linear(x2d, low[1], low[2], True).view(*x.shape[:-1], weight.shape[0])  # (..., O)
             with torch.autocast("cpu", enabled=False):

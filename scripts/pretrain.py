@@ -287,6 +287,10 @@ class Run:
             torch.manual_seed(self.config.train.seed)
             zero3 = self.ds_config if self.ds_config["zero_optimization"].get("stage") == 3 else None
             model = build_model(self.spec["config"], self.spec["architecture"], zero3)
+            if self.dist.world_size > 1:
+                # ZeRO-3 initialises on rank 0 only, so the other ranks' generators stand elsewhere than under
+                # ZeRO-1/2: one seed per rank from here (dropout) makes the stages agree, and the ranks differ.
+                torch.manual_seed(self.config.train.seed + self.dist.rank)
         if mlm_data.id_space(self.tokenizer) > model.config.vocab_size:
             raise ValueError(
                 f"the tokenizer's ids reach {mlm_data.id_space(self.tokenizer) - 1}, the model has only "

@@ -72,9 +72,15 @@ def build_model(model_config: dict, architecture: str, zero3_config: dict | None
 
     zero3 = HfDeepSpeedConfig(zero3_config)  # transformers uses zero.Init while this object is alive
     try:
-        return cls._from_config(config)
+        model = cls._from_config(config)
     finally:
         del zero3  # later models (the export, a reload) are built normally
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # transformers initialises on rank 0 and hands the other ranks its gathered parameters, not its buffers:
+        # a Performer's random projection (a buffer redrawn by `_init_weights`) would differ between ranks.
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, 0)
+    return model
 
 
 def consolidated_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:

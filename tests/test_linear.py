@@ -187,12 +187,15 @@ def test_bf16_autocast_inference_runs_the_chosen_bf16_gemm_directly(path, mode):
     calibration.force("linear", path)
     try:
         module = lin.RoFormerRopeLinear(64, 96)
-        for shape in [(1, 1, 64), (2, 9, 64), (300, 64)]:
+        for shape in [(1, 1, 64), (2, 9, 64), (300, 64), (0, 64), (2, 0, 64)]:
             x = torch.randn(shape)
             with mode(), torch.autocast("cpu", dtype=torch.bfloat16):
                 got, want = module(x), F.linear(x, module.weight, module.bias)
             assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
             torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        empty = lin.RoFormerRopeLinear(0, 24)  # no input features: autocast's F.linear gives the bias
+        with mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(empty(torch.randn(3, 0)), F.linear(torch.randn(3, 0), empty.weight, empty.bias))
     finally:
         calibration.force("linear", None)
 
