@@ -14,9 +14,12 @@ Model kinds (`--model-kind auto` detects them, see `tf_kind`):
   v1   RoFormer (word or char vocabulary, any size, embedding_size != hidden_size too)  -> fill-mask
        a `bert/pooler/dense` without "sim" in the name is kept as BERT's tanh pooler (AutoModel)
   sim  RoFormer-Sim: pooler present AND "sim" in the folder/prefix name; UniLM mask, linear pooler
+       (--model-kind sim also takes a UniLM seq2seq checkpoint without a pooler)
   gpt  RoFormer-GPT: causal LM. Its variables are exactly v1's, so `auto` picks gpt only when the
        checkpoint folder or prefix name contains "gpt"; otherwise pass --model-kind gpt -> text-generation
   v2   RoFormerV2: no bias and no LayerNorm variables (parameter-free RMS norm)         -> fill-mask
+  v2-sim, v2-gpt  RoFormerV2 with the UniLM / causal mask: v2's variables and "sim" / "gpt" in the name
+       (or --model-kind sim / gpt, which mean these for v2 variables)
 A checkpoint without any `cls/predictions/*` variable (an encoder-only release) converts to the bare
 encoder (`AutoModel`).
 
@@ -46,7 +49,7 @@ from .model_card import render_model_card, sha256_file, tf_card_values
 from .reference_outputs import compare_with_reference
 from .tf_checkpoint import TFCheckpointError, TFCheckpointReader, resolve_prefix
 from .tf_config import build_config, check_vocab, read_bert_config, read_vocab
-from .tf_kind import MODEL_KINDS, describe, detect_kind, has_pooler, location_hint
+from .tf_kind import MODEL_KINDS, describe, detect_kind, has_pooler, location_hint, with_family
 from .tf_weights import OPTIMIZER_SLOTS, build_model, convert_variables, has_mlm_head, load_strict, rename_variable
 from .tokenizer_files import save_tokenizer
 from .verify import verify_folder
@@ -111,7 +114,7 @@ def convert_to_model(
         skipped = sorted(n for n in all_names if OPTIMIZER_SLOTS.search(n))
         names = all_names - set(skipped)
         pooler = has_pooler(names)
-        kind = detect_kind(names, location_hint(prefix)) if model_kind == "auto" else model_kind
+        kind = detect_kind(names, location_hint(prefix)) if model_kind == "auto" else with_family(model_kind, names)
         logger.info(
             "reading %s: %d variables (%d optimizer slots skipped), kind %s%s",
             reader.index_path,
@@ -125,7 +128,7 @@ def convert_to_model(
         config = build_config(bert_config, kind, vocab, pooler=pooler, source=str(folder / "bert_config.json"))
         check_vocab(vocab, config.vocab_size, folder)
         with_head = has_mlm_head(names, kind)
-        if kind == "gpt" and not with_head:
+        if kind.endswith("gpt") and not with_head:
             raise ConversionError("a gpt checkpoint needs its LM head (cls/predictions/*), none found")
         state_dict, sources = convert_variables(reader.load_all(skip=OPTIMIZER_SLOTS))
         index_sha256 = sha256_file(reader.index_path)
@@ -207,9 +210,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-kind",
         default="auto",
         choices=("auto", *MODEL_KINDS),
-        help="auto: v2 if no bias/LayerNorm variables; sim if bert/pooler/* exists AND the folder/prefix name has "
-        "the word 'sim' (a pooler without it is v1 + BERT's tanh pooler); gpt when the name contains 'gpt' (gpt "
-        "and v1 store identical variables: pass gpt explicitly for a renamed GPT checkpoint); else v1",
+        help="auto: v2 if no bias/LayerNorm variables (v2-sim / v2-gpt with 'sim' / 'gpt' in the name); sim if "
+        "bert/pooler/* exists AND the folder/prefix name has the word 'sim' (a pooler without it is v1 + BERT's "
+        "tanh pooler); gpt when the name contains 'gpt' (gpt and v1 store identical variables: pass gpt explicitly "
+        "for a renamed GPT checkpoint); else v1. sim also takes a UniLM checkpoint without a pooler; sim / gpt for "
+        "v2 variables mean v2-sim / v2-gpt",
     )
     parser.add_argument(
         "--reference-outputs",

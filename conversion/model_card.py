@@ -17,7 +17,8 @@ from .tf_weights import OPTIMIZER_SLOTS
 
 TF_TEMPLATE = "roformer_tf.md"
 
-_KIND_NAMES = {"v1": "RoFormer", "sim": "RoFormer-Sim", "gpt": "RoFormer-GPT", "v2": "RoFormerV2"}
+_KIND_NAMES = {"v1": "RoFormer", "sim": "RoFormer-Sim", "gpt": "RoFormer-GPT", "v2": "RoFormerV2",
+               "v2-sim": "RoFormerV2 with the UniLM mask", "v2-gpt": "RoFormerV2 causal LM"}  # fmt: skip
 _KIND_NOTES = {
     "v1": "Post-LayerNorm BERT layout with rotary self-attention; MLM head tied to the word embeddings.",
     "sim": "UniLM attention mask built from `token_type_ids` (segment 0 bidirectional, segment 1 causal) "
@@ -25,6 +26,9 @@ _KIND_NOTES = {
     "gpt": "Causal attention (`is_decoder=True`); generation starts from [CLS] and ends at [SEP].",
     "v2": "No biases, parameter-free RMS norm (eps 1e-7), relu feed-forward; MLM head = tied embeddings only.",
 }
+_KIND_NOTES["v2-sim"] = _KIND_NOTES["v2"] + " UniLM attention mask built from `token_type_ids` (seq2seq)."
+_KIND_NOTES["v2-gpt"] = _KIND_NOTES["v2"] + " Causal attention (`is_decoder=True`)."
+_SIM_NO_POOLER_NOTE = " The checkpoint has no pooler (a UniLM seq2seq model): `pooler_output` is not available."
 _TANH_POOLER_NOTE = (
     " The checkpoint's BERT pooler (dense + tanh on [CLS]) is kept: `AutoModel` returns it as `pooler_output`."
 )
@@ -33,6 +37,8 @@ _TAGS = {
     "sim": ["roformer", "rotary", "roformer-sim", "sentence-similarity", "unilm"],
     "gpt": ["roformer", "rotary", "roformer-gpt", "causal-lm"],
     "v2": ["roformer", "rotary", "roformer-v2"],
+    "v2-sim": ["roformer", "rotary", "roformer-v2", "unilm"],
+    "v2-gpt": ["roformer", "rotary", "roformer-v2", "causal-lm"],
 }
 _POOLER_USAGE = (
     "\n# the pooler on [CLS] ($what), loaded by AutoModel\n"
@@ -72,10 +78,10 @@ def summarize_skipped(names: list[str]) -> str:
 def _usage_extra(kind: str, pooler: bool, encoder_only: bool) -> str:
     if encoder_only:
         return ""
-    if kind == "sim":
+    if kind == "sim" and pooler:
         return string.Template(_POOLER_USAGE).safe_substitute(what="RoFormer-Sim's sentence vector, linear")
-    extra = _GPT_USAGE if kind == "gpt" else ""
-    if pooler:
+    extra = _GPT_USAGE if kind.endswith("gpt") else ""
+    if pooler and kind in ("v1", "gpt"):
         extra += string.Template(_POOLER_USAGE).safe_substitute(what="BERT's tanh pooler")
     return extra
 
@@ -104,7 +110,9 @@ def tf_card_values(result, config, source: str, title: str, repo_id: str | None,
         "title": title,
         "kind": result.kind + (" + tanh pooler" if tanh_pooler else ""),
         "kind_name": _KIND_NAMES[result.kind],
-        "kind_note": _KIND_NOTES[result.kind] + (_TANH_POOLER_NOTE if tanh_pooler else ""),
+        "kind_note": _KIND_NOTES[result.kind]
+        + (_TANH_POOLER_NOTE if tanh_pooler else "")
+        + (_SIM_NO_POOLER_NOTE if result.kind == "sim" and not result.pooler else ""),
         "repo_id": repo,
         "auto_class": auto,
         "architecture": result.architecture,

@@ -14,9 +14,11 @@ logger = logging.getLogger(__name__)
 
 # bert4keras activation names → transformers ACT2FN names (bert4keras' "gelu" is already the erf form).
 _ACTIVATIONS = {"gelu_erf": "gelu", "gelu_tanh": "gelu_new"}
-_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_REQUIRED_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act"
+)  # bert4keras needs hidden_act too: guessing one would give a silently different model
 _OPTIONAL_FIELDS = (
-    "embedding_size hidden_act hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings "
+    "embedding_size hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings "
     "type_vocab_size initializer_range"
 ).split()
 
@@ -53,6 +55,11 @@ def _activation(value: object, source: str) -> str:
     name = _ACTIVATIONS.get(value, value)
     if name not in ACT2FN:
         raise ConversionError(f"{source}: hidden_act {value!r} is not an activation transformers knows")
+    if name == "leaky_relu":  # same name, other function: a silently different model
+        raise ConversionError(
+            f"{source}: hidden_act 'leaky_relu' is bert4keras' leaky ReLU of slope 0.2; transformers' has slope "
+            "0.01: not convertible"
+        )
     return name
 
 
@@ -61,31 +68,34 @@ def build_config(
 ):
     """A `RoFormerRopeConfig` for `kind` from the release's `bert_config.json` fields.
 
-    `pooler` (a `bert/pooler/dense` in the checkpoint) adds BERT's tanh pooler to v1/gpt; a Sim always
-    has its linear pooler.
+    `pooler` (a `bert/pooler/dense` in the checkpoint) adds BERT's tanh pooler to v1/gpt and a Sim's linear
+    pooler to sim; v2-sim / v2-gpt are RoFormerV2 with the UniLM mask / causal mask.
     """
     from modeling_roformer_rope import RoFormerRopeConfig
 
     fields = {name: bert_config[name] for name in _REQUIRED_FIELDS + tuple(_OPTIONAL_FIELDS) if name in bert_config}
     if "hidden_act" in fields:
         fields["hidden_act"] = _activation(fields["hidden_act"], source)
-    if kind != "v2" and fields.get("type_vocab_size", 2) != 2:
+    if not kind.startswith("v2") and fields.get("type_vocab_size", 2) != 2:
         # bert4keras' RoFormer (v1) class builds 2 segment rows whatever the config says.
         logger.info(
             "type_vocab_size %s in bert_config.json ignored: bert4keras RoFormer uses 2", fields["type_vocab_size"]
         )
         fields["type_vocab_size"] = 2
+    application = kind.removeprefix("v2-")  # v1 / v2 / sim / gpt
     kind_fields = {
         "v1": dict(architectures=["RoFormerRopeForMaskedLM"]),
-        "sim": dict(
-            architectures=["RoFormerRopeForMaskedLM"], add_pooler=True, pooler_activation="linear", unilm_mask=True
-        ),
+        "v2": dict(architectures=["RoFormerRopeForMaskedLM"]),
+        "sim": dict(architectures=["RoFormerRopeForMaskedLM"], unilm_mask=True),
         "gpt": dict(architectures=["RoFormerRopeForCausalLM"], is_decoder=True, use_cache=True),
-        "v2": dict(architectures=["RoFormerRopeForMaskedLM"], norm_type="rms_norm", use_bias=False),
-    }[kind]
-    if pooler and kind in ("v1", "gpt"):
+    }[application]
+    if kind.startswith("v2"):
+        kind_fields.update(norm_type="rms_norm", use_bias=False)
+    if pooler and kind == "sim":
+        kind_fields.update(add_pooler=True, pooler_activation="linear")  # RoFormer-Sim's sentence vector
+    elif pooler and kind in ("v1", "gpt"):
         kind_fields.update(add_pooler=True, pooler_activation="tanh")  # bert4keras' with_pool=True
-    if kind == "gpt" and vocab:
+    if application == "gpt" and vocab:
         # RoFormer-GPT starts a text with [CLS] and ends it with [SEP] (bert4keras' lm application).
         ids = {token: i for i, token in enumerate(vocab)}
         kind_fields.update(bos_token_id=ids.get("[CLS]"), eos_token_id=ids.get("[SEP]"))

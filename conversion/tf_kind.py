@@ -1,18 +1,22 @@
 """Which RoFormer a bert4keras checkpoint holds, from its variable names and its release name.
 
-| kind | variables                                  | name hint      | model                          |
-|------|--------------------------------------------|----------------|--------------------------------|
-| v2   | no bias and no LayerNorm variables         | –              | RoFormerV2 (RMS norm, no bias) |
-| sim  | v1's set + `bert/pooler/dense`             | the word "sim" | UniLM mask + linear pooler     |
-| gpt  | exactly v1's set                           | "gpt"          | causal LM                      |
-| v1   | LayerNorm and bias variables (+ a pooler)  | –              | BERT layout, bidirectional     |
+| kind   | variables                                  | name hint      | model                          |
+|--------|--------------------------------------------|----------------|--------------------------------|
+| v2     | no bias and no LayerNorm variables         | –              | RoFormerV2 (RMS norm, no bias) |
+| v2-sim | v2's set                                   | the word "sim" | RoFormerV2 + UniLM mask        |
+| v2-gpt | v2's set                                   | "gpt"          | RoFormerV2 causal LM           |
+| sim    | v1's set + `bert/pooler/dense`             | the word "sim" | UniLM mask + linear pooler     |
+| gpt    | exactly v1's set                           | "gpt"          | causal LM                      |
+| v1     | LayerNorm and bias variables (+ a pooler)  | –              | BERT layout, bidirectional     |
 
 The variables alone cannot tell a RoFormer-Sim from a v1 encoder saved with bert4keras' default tanh
 pooler (`with_pool=True`), nor a GPT from a v1: both pairs store identical names and shapes, and
 guessing wrong gives silently wrong outputs. So the name decides, as the released folders spell it
 (`chinese_roformer-sim-char_L-12_H-768_A-12`, `chinese_roformer-gpt-char_L-12_H-768_A-12`): a pooler
 without "sim" in the name is v1 with BERT's tanh pooler, and the decision is logged. `--model-kind`
-overrides the detection.
+overrides the detection: `sim` also converts a UniLM (seq2seq) checkpoint without a pooler (bert4keras'
+`application='unilm'`), and `sim` / `gpt` given for a checkpoint with v2's variables mean `v2-sim` / `v2-gpt`
+(bert4keras' `model='roformer_v2'` with the UniLM or LM application).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .key_map import ConversionError
 
 logger = logging.getLogger(__name__)
 
-MODEL_KINDS = ("v1", "v2", "sim", "gpt")
+MODEL_KINDS = ("v1", "v2", "sim", "gpt", "v2-sim", "v2-gpt")
 POOLER_PREFIX = "bert/pooler/"
 
 
@@ -48,6 +52,22 @@ def has_pooler(names: set[str]) -> bool:
     return any(n.startswith(POOLER_PREFIX) for n in names)
 
 
+def is_v2(names: set[str]) -> bool:
+    """RoFormerV2's variables: no bias and no LayerNorm anywhere."""
+    return not any("/LayerNorm/" in n or n.endswith("/bias") for n in names)
+
+
+def with_family(kind: str, names: set[str]) -> str:
+    """A `--model-kind` given as sim/gpt for a checkpoint with v2's variables means v2-sim/v2-gpt; a v2 kind for
+    v1 variables (or the reverse) is refused here, naming what the variables say."""
+    if kind in ("sim", "gpt") and is_v2(names):
+        return f"v2-{kind}"
+    if kind.startswith("v2") != is_v2(names):
+        found = "no bias/LayerNorm variables (v2)" if is_v2(names) else "bias and LayerNorm variables (v1)"
+        raise ConversionError(f"--model-kind {kind} does not fit the checkpoint: it has {found}")
+    return kind
+
+
 def detect_kind(names: set[str], location: str = "") -> str:
     """Model kind from the variable names and the folder/prefix name `location` (see the module doc)."""
     pooler = has_pooler(names)
@@ -56,7 +76,7 @@ def detect_kind(names: set[str], location: str = "") -> str:
     if not has_norm and not has_bias:
         if pooler:
             raise ConversionError("cannot detect the model kind: a pooler but no bias/LayerNorm variables")
-        return "v2"
+        return "v2-sim" if says_sim(location) else "v2-gpt" if says_gpt(location) else "v2"
     if not has_norm or not has_bias:
         what = "bias but no LayerNorm" if has_bias else "LayerNorm but no bias"
         raise ConversionError(f"cannot detect the model kind: {what} variables (neither v1 nor v2); pass --model-kind")

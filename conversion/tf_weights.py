@@ -88,7 +88,7 @@ def convert_variables(variables: dict[str, np.ndarray]) -> tuple[dict[str, torch
 
 def has_mlm_head(names: set[str], kind: str) -> bool:
     """V2's head is the tied embedding alone (always there); v1/sim/gpt store `cls/predictions/*`."""
-    return kind == "v2" or any(n.startswith("cls/predictions/") for n in names)
+    return kind.startswith("v2") or any(n.startswith("cls/predictions/") for n in names)
 
 
 def build_model(config, with_head: bool) -> torch.nn.Module:

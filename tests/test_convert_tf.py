@@ -32,9 +32,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).parent.parent
 PYTHON = sys.executable
 ATOL = 1e-4
-KINDS = ["v1", "v1_emb", "sim", "gpt", "v2", "v1_pool"]
-# v1_pool stores the same variables as sim (a pooler): without "sim" in its name it is v1 + tanh pooler.
-DETECTED = {"v1": "v1", "v1_emb": "v1", "sim": "sim", "gpt": "gpt", "v2": "v2", "v1_pool": "v1"}
+KINDS = ["v1", "v1_emb", "sim", "gpt", "v2", "v1_pool", "unilm", "v2_sim", "v2_gpt"]
+# v1_pool stores the same variables as sim (a pooler): without "sim" in its name it is v1 + tanh pooler; unilm
+# (a seq2seq UniLM without a pooler) stores exactly v1's, so it needs `--model-kind sim`.
+DETECTED = {"v1": "v1", "v1_emb": "v1", "sim": "sim", "gpt": "gpt", "v2": "v2", "v1_pool": "v1", "unilm": "v1",
+            "v2_sim": "v2-sim", "v2_gpt": "v2-gpt"}  # fmt: skip
+GIVEN_KIND = {"unilm": "sim"}  # conversions that need --model-kind
+LM_KINDS = ("gpt", "v2_gpt")
 MAX_DIFFS: dict[str, dict[str, float]] = {}  # filled by the parity tests, printed at the end (-s)
 
 
@@ -147,7 +151,7 @@ def assert_nothing_left(parent: Path, keep: set[str]) -> None:
 def compare_with_original(folder: Path, kind: str) -> dict[str, float]:
     """Max |diff| per output between the converted folder (Auto classes) and the original code."""
     expected = expected_of(kind)
-    lm = kind == "gpt"
+    lm = kind in LM_KINDS
     auto = transformers.AutoModelForCausalLM if lm else transformers.AutoModelForMaskedLM
     model = auto.from_pretrained(folder, trust_remote_code=True).eval()
     pooled = "pooler" in expected  # sim (linear) and v1_pool (tanh)
@@ -185,7 +189,10 @@ def compare_with_original(folder: Path, kind: str) -> dict[str, float]:
 def converted(tmp_path_factory) -> dict[str, Path]:
     """Every fixture converted once with the Python API and `model_kind="auto"`."""
     root = tmp_path_factory.mktemp("converted")
-    return {kind: convert_checkpoint(FIXTURES / kind, root / kind).out_dir for kind in KINDS}
+    return {
+        kind: convert_checkpoint(FIXTURES / kind, root / kind, model_kind=GIVEN_KIND.get(kind, "auto")).out_dir
+        for kind in KINDS
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +213,25 @@ def test_sim_folder_holds_pooler_and_mlm_head_in_one_file(converted):
     assert {"roformer.pooler.dense.weight", "lm_head.dense.weight", "lm_head.decoder.bias"} <= keys
     config = json.loads((converted["sim"] / "config.json").read_text())
     assert config["add_pooler"] and config["unilm_mask"] and config["pooler_activation"] == "linear"
+
+
+def test_unilm_without_pooler_and_v2_applications(converted, tmp_path):
+    """A UniLM seq2seq checkpoint (no pooler) converts with --model-kind sim; RoFormerV2 with the UniLM or LM
+    application is detected from the name (or from sim/gpt given for v2 variables); a v2 kind for v1 variables is
+    refused. The outputs are checked against the original code in test_converted_folder_reproduces_the_original."""
+    config = json.loads((converted["unilm"] / "config.json").read_text())
+    assert config["unilm_mask"] and not config.get("add_pooler")
+    assert "no pooler" in (converted["unilm"] / "README.md").read_text()
+    v2_sim = json.loads((converted["v2_sim"] / "config.json").read_text())
+    assert v2_sim["unilm_mask"] and v2_sim["norm_type"] == "rms_norm" and not v2_sim["use_bias"]
+    v2_gpt = json.loads((converted["v2_gpt"] / "config.json").read_text())
+    assert v2_gpt["is_decoder"] and v2_gpt["architectures"] == ["RoFormerRopeForCausalLM"]
+    assert v2_gpt["norm_type"] == "rms_norm"
+    renamed = release_folder(tmp_path, "v2_gpt", name="renamed")  # no hint in the name: plain v2 unless told
+    assert convert_checkpoint(renamed, tmp_path / "auto").kind == "v2"
+    assert convert_checkpoint(renamed, tmp_path / "given", model_kind="gpt").kind == "v2-gpt"
+    with pytest.raises(ConversionError, match="--model-kind v2-sim does not fit the checkpoint: it has bias and"):
+        convert_checkpoint(FIXTURES / "v1", tmp_path / "wrong", model_kind="v2-sim")
 
 
 def test_folder_contents_and_model_card(converted):
@@ -684,3 +710,22 @@ def test_checkpoint_given_as_dot_is_named_by_its_folder_in_the_card(tmp_path, mo
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "# chinese_roformer-gpt-char_tiny (RoFormer, converted)" in card
     assert "`.`" not in card and "#  (" not in card
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: {**c, "hidden_act": "leaky_relu"}, "hidden_act 'leaky_relu' is bert4keras' leaky ReLU of slope 0.2"),
+        (lambda c: {k: v for k, v in c.items() if k != "hidden_act"}, "missing required field(s) ['hidden_act']"),
+    ],
+    ids=["leaky-relu", "no-act"],
+)
+def test_configs_bert4keras_reads_otherwise_are_refused(tmp_path, edit, message):
+    """bert4keras' leaky_relu has slope 0.2 (transformers' 0.01), and it has no default activation: converting
+    either would give a silently different model."""
+    folder = release_folder(tmp_path, "v1")
+    config = json.loads((folder / "bert_config.json").read_text())
+    (folder / "bert_config.json").write_text(json.dumps(edit(config)))
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        convert_checkpoint(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
