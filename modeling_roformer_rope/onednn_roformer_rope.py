@@ -31,6 +31,7 @@ kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length
 `ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory, ~2.2× each weight packed).
 """
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -108,8 +109,9 @@ def read_settings() -> Settings:
 settings = read_settings()
 
 
+@functools.cache  # resolved on first use: importing the exporter's modules takes a moment
 def _onnx_exporting() -> Callable[[], bool]:
-    """`torch.onnx.is_in_onnx_export` without its two imports per call (~4 µs, thrice per linear layer)."""
+    """`torch.onnx.is_in_onnx_export` without its two imports per call (~4 µs per linear layer)."""
     try:
         from torch.onnx._internal.exporter import _flags
         from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
@@ -120,14 +122,11 @@ def _onnx_exporting() -> Callable[[], bool]:
 
 
 _EXPORTING = getattr(torch.compiler, "is_exporting", lambda: False)
-_ONNX_EXPORTING: list = []  # resolved on first use (importing the exporter's modules takes a moment)
 
 
 def tracing() -> bool:
     """torch.compile / torch.export / jit / ONNX tracing: the payload's eager-only fast paths step aside."""
-    if not _ONNX_EXPORTING:
-        _ONNX_EXPORTING.append(_onnx_exporting())
-    return torch.compiler.is_compiling() or _EXPORTING() or torch.jit.is_tracing() or _ONNX_EXPORTING[0]()
+    return torch.compiler.is_compiling() or _EXPORTING() or torch.jit.is_tracing() or _onnx_exporting()()
 
 
 def _onednn_op():
