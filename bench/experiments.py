@@ -8,6 +8,8 @@ Experiments
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
   pieces), vs the built-in: time and page faults per call (how close ours is to its kernels' sum).
+- decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
+  it takes to read every linear weight once at the float32 read bandwidth measured here.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
@@ -397,6 +399,55 @@ def op_chain(layers: int, reps: int, shapes) -> None:
             print(f"  {name}: {t.ms(name):.1f} ms, {sorted(faults[name])[len(faults[name]) // 2]} page faults per call")
 
 
+def _decode_steps(model, prompt: dict, steps: int) -> list[float]:
+    """Greedy decode `steps` tokens after `prompt` with the KV cache; wall time (s) of each step's forward alone."""
+    times = []
+    with torch.no_grad():
+        out = model(**prompt, use_cache=True)
+        mask = prompt["attention_mask"]
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)  # (1, 1)
+            mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)  # (1, S + 1)
+            start = time.perf_counter()
+            out = model(input_ids=token, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _read_bandwidth(reps: int, mib: int = 512) -> float:
+    """GB/s of a float32 sum over `mib` MiB (out of every cache): what streaming weights from memory can reach."""
+    big = torch.ones(mib << 18)  # (mib·2^18,) float32 = mib MiB
+    t = interleaved({"sum": big.sum}, reps=reps)
+    return big.numel() * 4 / t.median("sum") / 1e9
+
+
+def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32) -> None:
+    """One greedy decode step (one new token, KV cache, fp32) of the causal LM: built-in vs ours, vs the memory
+    bound. A step reads every weight once (the 50000-row LM head alone is 154 MB) and the weights do not stay in
+    cache from one step to the next, so the step is bound by memory bandwidth, not by the GEMM rate."""
+    from bench_generate import prompt_batch
+
+    builtin, ours = make_pair(layers, max_positions=512, head="causal")
+    prompt = prompt_batch([prompt_length])
+    for model in (builtin, ours):
+        _decode_steps(model, prompt, 8)  # warm-up: calibration, packs
+    weight_bytes = sum(
+        m.weight.numel() * m.weight.element_size() for m in ours.modules() if isinstance(m, torch.nn.Linear)
+    )
+    per_step: dict[str, list[float]] = {"built-in": [], "ours": []}
+    for _ in range(reps):  # alternate whole decodes, take every step's time
+        per_step["built-in"] += _decode_steps(builtin, prompt, steps)
+        per_step["ours"] += _decode_steps(ours, prompt, steps)
+    bandwidth = _read_bandwidth(reps)
+    print(f"decode step after a {prompt_length}-token prompt, {layers} layers, fp32 (median of {reps}×{steps} steps): "
+          f"linear weights read per step {weight_bytes / 1e6:.0f} MB; float32 read bandwidth (sum over 512 MiB) "
+          f"{bandwidth:.1f} GB/s, so ≥{1e3 * weight_bytes / bandwidth / 1e9:.2f} ms per step")  # fmt: skip
+    medians = {name: sorted(t)[len(t) // 2] for name, t in per_step.items()}
+    for name, median in medians.items():
+        print(f"  {name}: {1e3 * median:.2f} ms per step, weights at {weight_bytes / median / 1e9:.1f} GB/s")
+    print(f"  built-in / ours: {medians['built-in'] / medians['ours']:.2f}×")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -424,6 +475,8 @@ def main() -> None:
             attention_parts(args.reps, shapes)
         elif name == "op_chain":
             op_chain(args.layers, args.reps, shapes)
+        elif name == "decode_step":
+            decode_step(args.layers, args.reps)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")
