@@ -46,7 +46,8 @@ class RoFormerRopeConfig(PreTrainedConfig):
     - `layer_types`: per layer `"full_attention"` or `"linear_attention"` (the kind `attention_type` names),
       as ModernBERT's `layer_types`; `None` (default): every layer follows `attention_type`.
     - `linear_feature_map` (`"elu"`: elu + 1, or `"relu"`), `linear_chunk_size` (causal prefix sums are
-      computed chunk by chunk), `performer_nb_features` (even; random features per head),
+      computed chunk by chunk; keep it ≥ the feature size d: the d×d state kept per chunk
+      boundary for backward makes memory O(N·d²/chunk)), `performer_nb_features` (even; random features per head),
       `performer_rope_placement` (`"before_features"`: rotate q, k then take features, the paper's Performer
       experiment; `"numerator"`: eq. 19's placement on the features).
     - `sparse_prediction`: when `...ForMaskedLM` gets `labels`, compute logits only for labelled tokens

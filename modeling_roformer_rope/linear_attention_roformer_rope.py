@@ -44,11 +44,13 @@ log_scale = max_f(Wx) − |x|²/2, so the true features are feat · exp(log_scal
   hold: a key whose log_scale lies > ~87 below its query's reference contributes 0 next to the key that set
   the reference (its weight is e^-87 of that key's: the parallel and the step forms alike).
 
-Division guard: out = num / den where den > eps, else 0. den is a sum of non-negative terms, so without
-rotation |out| ≤ max|v| for any den > 0; eps only keeps 0/0 (a fully padded row, all-zero relu
-features) and denormals out, and those rows give zeros like SDPA's fully masked rows. eps is tiny by
-default (1e-30; float32's normal range ends at 1.2e-38) because FAVOR+'s stabilised denominators can be
-legitimately small.
+Division guard: out = num / den where den is a normal number of its dtype (den ≥ finfo.tiny: 1.2e-38 in
+float32), else 0. den is a sum of non-negative terms, so without rotation |out| ≤ max|v| for any den > 0;
+the guard only keeps 0/0 (a fully padded row, all-zero relu features) and denormals out, and those rows give
+zeros like SDPA's fully masked rows. No larger threshold: FAVOR+'s stabilised denominators are legitimately
+tiny for a query that meets only keys pointing away from it (|q|, |k| ~ 40 at head size 16 give 1e-33, and a
+query with a single such key must still get that key's value). An explicit `eps` replaces the threshold
+(rows with den ≤ eps give 0).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import torch.nn.functional as F
 # log_scale of "no key yet" / masked keys: far below any real one, finite so that differences stay finite
 EMPTY_LOG_SCALE = -1e30
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_EPS = 1e-30
+DEFAULT_EPS = None  # None: the smallest normal number of the accumulation dtype
 # tokens per block of the causal form (temporaries ∝ block: a few MiB, cache-resident)
 _CAUSAL_BLOCK = 1024
 
@@ -183,6 +185,11 @@ def initial_state(
 
 
 def _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log_scale, name: str) -> None:
+    if not q_feat.dim() == k_feat.dim() == value.dim() == 4:
+        raise ValueError(
+            f"{name}: q_feat {tuple(q_feat.shape)}, k_feat {tuple(k_feat.shape)}, value {tuple(value.shape)} must "
+            "be 4-D: (B, H, T, F), (B, H, S, F), (B, H, S, Dv)"
+        )
     B, H, T, Fq = q_feat.shape
     S = k_feat.shape[2]
     ok = (
@@ -198,8 +205,10 @@ def _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log
             f"key_mask {None if key_mask is None else tuple(key_mask.shape)} must be (B, H, T, F), (B, H, S, F), "
             "(B, H, S, Dv), (B, S); rotated features as their unrotated ones"
         )
-    if k_log_scale is not None and k_log_scale.dim() != 3:
-        raise ValueError(f"{name}: k_log_scale must broadcast to (B, H, S), got {tuple(k_log_scale.shape)}")
+    if k_log_scale is not None and (
+        k_log_scale.dim() != 3 or any(n not in (1, m) for n, m in zip(k_log_scale.shape, (B, H, S)))
+    ):
+        raise ValueError(f"{name}: k_log_scale must broadcast to (B, H, S) = {(B, H, S)}, got {tuple(k_log_scale.shape)}")
 
 
 def _prepare_keys(
@@ -256,7 +265,7 @@ def _causal_attention(
     v: torch.Tensor,
     log_scale: torch.Tensor | None,
     chunk_size: int,
-    eps: float,
+    eps: float | None,
     out_dtype: torch.dtype,
     state: LinearAttentionState | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
@@ -377,7 +386,7 @@ def _causal_attention(
 
 
 # Below this gap between a chunk's reference (its running maximum) and a query's own, referencing the query to
-# the chunk's reference keeps its largest weight ≥ e^-30 and its denominator far above eps: the same output as the
+# the chunk's reference keeps its largest weight ≥ e^-30 and its denominator far above the division guard: the same output as the
 # per-query references, without their c×c factor. A gap this large needs keys whose log scales differ by > 30
 # inside one chunk (norms very unequal).
 _CHUNK_REFERENCE_MAX_GAP = 30.0
@@ -391,9 +400,10 @@ def _needs_query_references(upto: torch.Tensor, own: torch.Tensor) -> bool:
     return bool((upto[..., None] - own).amax() > _CHUNK_REFERENCE_MAX_GAP)
 
 
-def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """out (B, T, H, Dv) ← num (B, H, T, Dv) / den (B, H, T), cast to out's dtype; rows with den ≤ eps give 0."""
-    ok = den > eps
+def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float | None, out: torch.Tensor) -> torch.Tensor:
+    """out (B, T, H, Dv) ← num (B, H, T, Dv) / den (B, H, T), cast to out's dtype; rows whose den is not a normal
+    number (eps None) or is ≤ eps give 0."""
+    ok = den >= torch.finfo(den.dtype).tiny if eps is None else den > eps
     inverse = torch.where(ok, 1.0 / torch.where(ok, den, 1.0), 0.0).unsqueeze(-1)  # inner where: finite backward
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (num.requires_grad or inverse.requires_grad)):
         out.copy_((num * inverse).transpose(1, 2))  # differentiable (and traceable; compilers fuse the two passes)
@@ -413,7 +423,7 @@ def linear_attention(
     key_mask: torch.Tensor | None = None,
     causal: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    eps: float = DEFAULT_EPS,
+    eps: float | None = DEFAULT_EPS,
 ) -> torch.Tensor:
     """RoFormer eq. 19 in linear time, bidirectional or causal → (B, T, H, Dv) contiguous, in value's dtype.
 
@@ -425,7 +435,7 @@ def linear_attention(
     true features are k_feat · exp(k_log_scale) (FAVOR+, `favor_plus_features`); None = no scale.
     value (B, H, S, Dv). key_mask (B, S) bool, True = real token: padding adds nothing to either sum (its
     content is never read). Sums and normaliser in float32 (float64 for float64 inputs), autocast off;
-    rows with den ≤ eps (no unmasked key, vanishing features) give zeros. chunk_size: tokens per chunk of
+    rows whose den is 0 or subnormal (no unmasked key, vanishing features; or ≤ eps, if given) give zeros. chunk_size: tokens per chunk of
     the causal form (C ≈ F is fastest; any value gives the same result).
     """
     _check_shapes(q_feat, k_feat, value, q_feat_rot, k_feat_rot, key_mask, k_log_scale, "linear_attention")
@@ -462,7 +472,7 @@ def linear_attention_step(
     k_log_scale: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    eps: float = DEFAULT_EPS,
+    eps: float | None = DEFAULT_EPS,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal eq. 19 for T new tokens (1 per generation step, or a prefill) after those in `state`.
 
@@ -482,6 +492,12 @@ def linear_attention_step(
     with _no_autocast(q_feat.device):
         if state is None:
             state = initial_state(B, H, Fd, Dv, device=q_feat.device, dtype=dtype)
+        elif state.kv.shape != (B, H, Fd, Dv) or state.k_sum.shape != (B, H, Fd) or state.log_scale.shape != (B, H):
+            raise ValueError(
+                f"linear_attention_step: the state holds kv {tuple(state.kv.shape)}, k_sum {tuple(state.k_sum.shape)}, "
+                f"log_scale {tuple(state.log_scale.shape)}; these inputs need (B, H, F, Dv) = {(B, H, Fd, Dv)}, "
+                f"(B, H, F), (B, H)"
+            )
         qf = q_feat.to(dtype)
         qr = None if q_feat_rot is None else q_feat_rot.to(dtype)
         kf, kr, v, log_scale = _prepare_keys(k_feat, k_feat_rot, value, key_mask, k_log_scale, dtype)

@@ -535,3 +535,30 @@ def test_rejects_bad_shapes():
         la.linear_attention(qf, kf[:, :, :4], v[:, :, :4], causal=True)
     with pytest.raises(ValueError, match="as many keys as queries"):
         la.linear_attention_step(qf[:, :, :1], kf[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match="must be 4-D"):
+        la.linear_attention(qf[0], kf[0], v[0])
+    with pytest.raises(ValueError, match="must be 4-D"):
+        la.linear_attention(qf, kf, v[..., 0])
+    with pytest.raises(ValueError, match=r"k_log_scale must broadcast to \(B, H, S\)"):
+        la.linear_attention(qf, kf, v, k_log_scale=torch.zeros(qf.shape[0], qf.shape[1], 5))
+    _, state = la.linear_attention_step(qf[:, :, :1], kf[:, :, :1], v[:, :, :1])
+    with pytest.raises(ValueError, match="the state holds kv"):
+        la.linear_attention_step(qf[:, :, :1, :4], kf[:, :, :1, :4], v[:, :, :1], state)
+
+
+def test_favor_plus_tiny_normal_denominator_still_divides():
+    """One query, one key pointing away from it: the stabilised denominator is ~1e-33 (a normal float32, far below
+    any "safe" epsilon), and with a single key the output must be that key's value (weight / weight = 1)."""
+    W = la.gaussian_orthogonal_random_matrix(16, 16, generator=torch.Generator().manual_seed(0))
+    u = torch.nn.functional.normalize(torch.randn(16, generator=torch.Generator().manual_seed(1)), dim=0)
+    q, k = (40 * u).view(1, 1, 1, 16), (-40 * u).view(1, 1, 1, 16)
+    v = torch.tensor([1.0, 2.0, 3.0]).view(1, 1, 1, 3)
+    qf, _ = la.favor_plus_features(q, W)
+    kf, k_log = la.favor_plus_features(k, W)
+    den = (qf * kf).sum()
+    assert torch.finfo(torch.float32).tiny < den < 1e-30  # the case: normal, yet tiny
+    for causal in (False, True):
+        out = la.linear_attention(qf, kf, v, k_log_scale=k_log, causal=causal)
+        torch.testing.assert_close(out, v, rtol=1e-6, atol=0)
+    stepped, _ = la.linear_attention_step(qf, kf, v, k_log_scale=k_log)
+    torch.testing.assert_close(stepped, v, rtol=1e-6, atol=0)
