@@ -191,13 +191,56 @@ def native_bf16(flags: set[str] | None = None) -> bool:
     return isa_level(flags) in ("amx", "avx512-bf16")
 
 
+def cpu_family_model() -> tuple[str, int, int] | None:
+    """(vendor, family, model) from /proc/cpuinfo, e.g. ("AuthenticAMD", 26, 2)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                fields[key] = value
+            if not line.strip():
+                break  # the first processor's block is enough
+    except OSError:
+        return None
+    try:
+        return fields["vendor_id"], int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return None
+
+
+def microarchitecture(ident: tuple[str, int, int] | None = None) -> str | None:
+    """The core generation when the family/model numbers tell it. A VM often names its CPU just "AMD EPYC" or
+    "Intel(R) Xeon(R) Processor", so the model name alone would put a Zen 4 and a Zen 5 in one folder."""
+    ident = cpu_family_model() if ident is None else ident
+    if ident is None:
+        return None
+    vendor, family, model = ident
+    if vendor == "AuthenticAMD":
+        if family == 26:
+            return "zen5"
+        if family == 25:  # Zen 3: models 0x00-0x0f, 0x20-0x5f; Zen 4: 0x10-0x1f, 0x60-0xaf
+            return "zen4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "zen3"
+        if family == 23:
+            return "zen2" if model >= 0x30 else "zen1"
+    if vendor == "GenuineIntel" and family == 6:
+        return {143: "sapphire-rapids", 207: "emerald-rapids", 173: "granite-rapids", 106: "ice-lake",
+                85: "skylake-cascade-lake"}.get(model)
+    return None
+
+
 def cpu_tag() -> str:
-    """A folder name per CPU kind, e.g. `amd-epyc-avx2` or `intel-xeon-platinum-8488c-amx`: results measured on
-    different CPUs never overwrite each other."""
+    """A folder name per CPU kind, e.g. `amd-epyc-zen5-avx512-bf16` or `intel-xeon-sapphire-rapids-amx`: results
+    measured on different CPUs never overwrite each other. The core generation (family/model) is part of the
+    name since 2026-11-27; folders written before (`amd-epyc-avx2`, `amd-epyc-avx512-bf16`, `intel-xeon-amx`)
+    keep their names."""
     import re
 
     model = re.sub(r"\((r|tm)\)|cpu|@.*|processor|\d+-core", "", cpu_model().lower())
     slug = "-".join(re.findall(r"[a-z0-9]+", model))[:40] or "cpu"
+    arch = microarchitecture()
+    if arch and arch not in slug:
+        slug = f"{slug}-{arch}"
     return f"{slug}-{isa_level()}"
 
 
@@ -208,6 +251,8 @@ def machine() -> dict[str, str]:
     return {
         "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "CPU": f"{cpu_model()} ({os.cpu_count()} logical cores; {' '.join(isa) or 'no AVX2'})",
+        "CPU family/model": "{} family {} model {}".format(*(cpu_family_model() or ("?", "?", "?")))
+        + (f" ({microarchitecture()})" if microarchitecture() else ""),
         "CPU folder": cpu_tag(),
         "memory": f"{mem_gb:.0f} GiB",
         "torch threads": str(torch.get_num_threads()),
