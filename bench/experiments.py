@@ -4,6 +4,8 @@
         [--shapes 1x128,8x128,4x512,1x4096]
 
 Experiments
+- attention_proxy: ours / SDPA as the dispatcher times them, on the attention decision's proxy (old: one head ×
+  256 queries; current: ≈ 2²⁰ scores) vs on the whole layer, float32 and bf16: whether the proxy stands for it.
 - attention_parts: bf16 SDPA vs a lower bound for any attention built from torch's kernels: its two bf16 GEMMs
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
@@ -272,6 +274,42 @@ def attention_rate(reps: int, shapes) -> None:
         )
 
 
+def attention_proxy(reps: int, shapes) -> None:
+    """How well the attention decision's proxy stands for a whole layer: ours / SDPA as the dispatcher times it
+    (`calibration._time_interleaved`: the two alternating, best of its rounds) on the first version's proxy (one
+    head, 256 queries), on the current one (`_proxy`: ≈ 2²⁰ scores, whole heads where they fit) and on the whole
+    layer (B×12 heads of 64), float32 and bf16, inputs as the model passes them (fused-projection views); each
+    measured `reps` times afresh (median, and the range). Below 1 our kernel is faster: a proxy decides right when
+    its ratio falls on the layer's side of 1."""
+    import statistics
+
+    from modeling_roformer_rope.onednn_attention_roformer_rope import _proxy, onednn_attention
+
+    def ratio(q, k, v) -> float:
+        best = calibration._time_interleaved(
+            {"ours": lambda: onednn_attention(q, k, v), "sdpa": lambda: F.scaled_dot_product_attention(q, k, v)},
+            ("attention_proxy",),
+        )
+        return best["ours"] / best["sdpa"]
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {reps} decisions per cell")
+    print("| dtype | B×T | 1 head × 256 queries | `_proxy` | whole layer |")
+    print("|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, length in shapes:
+            qkv = torch.randn(batch, length, 3, 12, 64, dtype=dtype)  # (B, T, 3, H, D)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) views
+            first = tuple(t[:1, :1] for t in (q[:, :, :256], k, v))  # (1, 1, ≤256 | S, D)
+            cells = []
+            with torch.no_grad():
+                for args in (first, _proxy(q, k, v), (q, k, v)):
+                    ratios = [ratio(*args) for _ in range(reps)]
+                    cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
+            h, rows = _proxy(q, k, v)[0].shape[1:3]
+            cells[1] += f", {h} head{'s' if h > 1 else ''} × {rows} queries"
+            print(f"| {str(dtype).removeprefix('torch.')} | {batch}×{length} | " + " | ".join(cells) + " |", flush=True)
+
+
 def attention_parts(reps: int, shapes, block: int = 512) -> None:
     """bf16 attention per layer at base width: SDPA's kernel vs the parts any kernel built from torch's own ops
     must pay, each at its best (outputs written to buffers that stay in cache): the two bf16 GEMMs per head
@@ -471,6 +509,8 @@ def main() -> None:
             gemm_rate(args.reps)
         elif name == "attention_rate":
             attention_rate(args.reps, shapes)
+        elif name == "attention_proxy":
+            attention_proxy(args.reps, shapes)
         elif name == "attention_parts":
             attention_parts(args.reps, shapes)
         elif name == "op_chain":

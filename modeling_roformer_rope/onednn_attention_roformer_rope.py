@@ -79,15 +79,27 @@ def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     )
 
 
+# Scores a proxy holds (queries × keys × heads). One head's 256 queries (the first version) was too little to stand
+# for the whole problem: at 4×512 on a Zen 5 EPYC it timed our kernel 3% slower than SDPA, which was 25% slower on
+# the whole layer (per-call costs weigh more on a small slice); at ~2²⁰ scores the proxy's ratio is the layer's
+# within a few percent at 512-4096 keys (`python bench/experiments.py --only attention_proxy`).
+PROXY_SCORES = 1 << 20
+
+
 def _proxy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One head's ≤ 256 queries and all its keys/values: what the attention decisions are timed on."""
-    return tuple(t[:1, :1].detach() for t in (query[:, :, :256], key, value))  # (1, 1, ≤256 | S, D)
+    """What the attention decisions are timed on: ≈ PROXY_SCORES scores of the first batch row, as whole heads
+    (all queries, all keys) while one head holds fewer, else one head's first queries (at least 64)."""
+    T, S = query.shape[2], key.shape[2]
+    rows = min(T, max(64, PROXY_SCORES // S))  # queries per head
+    heads = max(1, PROXY_SCORES // (rows * S)) if rows == T else 1
+    q = query[:1, :heads, :rows]  # (1, h, t, D)
+    return tuple(t.detach() for t in (q, key[:1, :heads], value[:1, :heads]))  # (1, h, t | S, D)
 
 
 def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> str:
-    """Ours or SDPA for this (dtype, key-length bucket), timed once on one head and ≤ 256 queries."""
+    """Ours or SDPA for this (dtype, key-length bucket), timed once on a slice of the problem (`_proxy`)."""
     shape_class = ("attention", str(query.dtype), length_bucket(key.shape[2]))
-    q, k, v = _proxy(query, key, key if value is None else value)  # (1, 1, ≤256 | S, D)
+    q, k, v = _proxy(query, key, key if value is None else value)  # (1, h, t | S, D)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return choose(shape_class, {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)})
 
@@ -97,20 +109,20 @@ def sdpa_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
 
     Keys and values come as views into the fused projection, one row every 3·H·D elements; CPU SDPA's float32
     kernel read them ~8% slower than compact (B, H, S, D) copies at 1536-4096 keys on Sapphire Rapids, copies
-    included; for bf16 the copies lost (512-4096 keys). So it is measured per (dtype, key-length bucket) on one
-    head, the proxy paying its share of the copy (the rows its ≤ 256 queries stand for), wherever
+    included; for bf16 the copies lost (512-4096 keys). So it is measured per (dtype, key-length bucket) on the
+    proxy's heads (`_proxy`), the proxy paying its share of the copy (the rows its queries stand for), wherever
     `_long_cpu_inference` holds. The proxy's small copy runs on one thread where the real one uses all: the
     measurement leans towards "strided", the safe side (the copy never changes the result, only the speed)."""
     if not _long_cpu_inference(query, key, value) or (key.is_contiguous() and value.is_contiguous()):
         return "strided"
-    q, k, v = _proxy(query, key, value)  # (1, 1, ≤256 | S, D)
+    q, k, v = _proxy(query, key, value)  # (1, h, t | S, D)
     share = max(1, key.shape[2] * q.shape[2] // query.shape[2])  # copied rows the proxy's queries stand for
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    compact = []  # the proxy head's compact keys/values, made on the untimed warm-up call (never once decided)
+    compact = []  # the proxy's compact keys/values, made on the untimed warm-up call (never once decided)
 
     def contiguous():
         if not compact:
-            compact.extend((k.contiguous(), v.contiguous()))  # (1, 1, S, D) each
+            compact.extend((k.contiguous(), v.contiguous()))  # (1, h, S, D) each
         k[:, :, :share].contiguous()
         v[:, :, :share].contiguous()
         sdpa(q, *compact)
