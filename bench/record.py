@@ -46,7 +46,7 @@ def main() -> int:
     lines = [
         f"## `{shlex.join(command)}`{status}",
         "",
-        f"{info['date (UTC)']} UTC, {minutes:.1f} min; CPU {info['CPU']}; lscpu flags: {flags};",
+        f"{info['date (UTC)']} UTC, {minutes:.1f} min; CPU {info['CPU']}, {info['CPU family/model']}; lscpu flags: {flags};",
         f"torch {info['torch']} ({info['torch threads']} threads), transformers {info['transformers']},"
         f" roformer_rope {info['roformer_rope']}; load average at start {info['load average at start']},"
         f" at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
