@@ -19,8 +19,8 @@ Experiments
 - packed_gemm: float32 GEMM rate vs row count at the encoder's four shapes: `F.linear`, oneDNN, oneDNN with a
   pre-packed weight, and MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what the model packs at inference on
   short inputs: `modeling_roformer_rope/prepack_roformer_rope.py`).
-- packing: the whole forward with packed weights forced on vs off, vs the built-in (use `--shapes 1x128,8x128`:
-  packing applies up to 1024 rows).
+- packing: the whole forward with the weights forced unpacked, MKL-packed (float32 up to 1024 rows, else oneDNN's
+  pack) and oneDNN-packed, vs the built-in; `--dtype bfloat16` for bf16 models (oneDNN's pack only).
 - linear_paths: the whole forward with every linear decision forced to oneDNN, forced to `F.linear`, and
   measured (what the calibration chose in this process), vs the built-in; `--dtype bfloat16` for bf16 models.
 - onednn_linear: the whole forward with every nn.Linear routed through oneDNN pre-packed weights (a
@@ -163,7 +163,7 @@ def onednn_experiment(layers: int, reps: int, shapes) -> None:
 
 
 def _with_packing(path: str, model: torch.nn.Module, inputs: dict):
-    """A forward of `model` with the packed-weight decision forced to `path` ("packed" or "unpacked")."""
+    """A forward of `model` with the packed-weight decision forced to `path` (one of onednn_roformer_rope.PACK_PATHS)."""
 
     def run():
         calibration.force("linear_packed", path)
@@ -172,30 +172,30 @@ def _with_packing(path: str, model: torch.nn.Module, inputs: dict):
     return run
 
 
-def packing_experiment(layers: int, reps: int, shapes) -> None:
-    """Forward: built-in vs ours with packed weights forced on vs off (same model, same process, interleaved)."""
-    builtin, ours = make_pair(layers, 8192)
-    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
-    print("| B×T | built-in ms | ours unpacked ms | ours packed ms | built-in / unpacked | built-in / packed |")
-    print("|---|---|---|---|---|---|")
+def packing_experiment(layers: int, reps: int, shapes, dtype: torch.dtype = torch.float32) -> None:
+    """Forward: built-in vs ours with the weights unpacked, MKL-packed ("packed": float32 on ≤ 1024 rows, else
+    oneDNN's pack) and oneDNN-packed, each forced (same model, same process, interleaved)."""
+    builtin, ours = (m.to(dtype) for m in make_pair(layers, 8192))
+    paths = ("unpacked", "packed", "onednn_packed")
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {dtype}, {layers} layers")
+    print("| B×T | built-in ms | " + " | ".join(f"ours {p} ms" for p in paths) + " | "
+          + " | ".join(f"built-in / {p}" for p in paths) + " |")  # fmt: skip
+    print("|---|---|" + "---|" * 2 * len(paths))
     for batch, length in shapes:
         inputs = random_batch(batch, length)
-        for path in ("packed", "unpacked"):
-            calibration.force("linear_packed", path)
-            check_parity(builtin, ours, inputs)
+        if dtype == torch.float32:
+            for path in paths:
+                calibration.force("linear_packed", path)
+                check_parity(builtin, ours, inputs)
         with torch.no_grad():
             t = interleaved(
-                {
-                    "builtin": partial(builtin, **inputs),
-                    "unpacked": _with_packing("unpacked", ours, inputs),
-                    "packed": _with_packing("packed", ours, inputs),
-                },
+                {"builtin": partial(builtin, **inputs)} | {p: _with_packing(p, ours, inputs) for p in paths},
                 reps=reps,
-                warmup=2,  # a weight is packed on its second call at a row count
+                warmup=2,  # a weight is packed on its second call (MKL: at a row count)
             )
         print(
-            f"| {batch}×{length} | {t.ms('builtin'):.1f} | {t.ms('unpacked'):.1f} | {t.ms('packed'):.1f} | "
-            f"{t.ratio('builtin', 'unpacked'):.2f}× | {t.ratio('builtin', 'packed'):.2f}× |",
+            f"| {batch}×{length} | {t.ms('builtin'):.1f} | " + " | ".join(f"{t.ms(p):.1f}" for p in paths) + " | "
+            + " | ".join(f"{t.ratio('builtin', p):.2f}×" for p in paths) + " |",
             flush=True,
         )
     calibration.force("linear_packed", None)
@@ -492,7 +492,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shapes", default="4x512,1x4096")
     parser.add_argument("--only", default="gemm_rate,attention_rate,onednn_linear")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for linear_paths")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for linear_paths and packing")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     start = time.time()
@@ -502,7 +502,7 @@ def main() -> None:
         elif name == "linear_paths":
             linear_paths(args.layers, args.reps, shapes, getattr(torch, args.dtype))
         elif name == "packing":
-            packing_experiment(args.layers, args.reps, shapes)
+            packing_experiment(args.layers, args.reps, shapes, getattr(torch, args.dtype))
         elif name == "packed_gemm":
             packed_gemm(args.reps)
         elif name == "gemm_rate":

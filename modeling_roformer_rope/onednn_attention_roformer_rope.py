@@ -197,20 +197,24 @@ def onednn_attention(
                 attention_mask.isinf(), attention_mask, (attention_mask * LOG2E).clamp_min(low)
             )
         attention_mask = attention_mask.expand(B, H, T, S)  # a view: no copy of broadcast dimensions
-    out = torch.empty(B, T, H, Dv, dtype=torch.float32, device=query.device)
-    q_scale = scaling * LOG2E  # scores come out in base-2 units
+    # Written in the input's dtype by each block's division (computed in float32, rounded once on the store).
+    out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
+    # Scores come out in base-2 units. A one-element float32 tensor (not a Python number) makes q · scale one
+    # float32 op for bf16/fp16 queries too: type promotion reads them as float32 (a number would keep their dtype).
+    q_scale = torch.tensor([scaling * LOG2E], dtype=torch.float32, device=query.device)
+    # max |v| over every head bounds |numerator| / denominator (`_well_scaled`): one reduction per call
+    v_min, v_max = torch.aminmax(value) if value.numel() else (torch.zeros(()), torch.zeros(()))
+    value_bound = max(-v_min.item(), v_max.item())
     # Operands are copied per head (and queries per block), never per batch row: small copies reuse
     # freed heap memory, while (H, T, D)-sized ones would be fresh pages for the kernel to fault in.
     for b in range(B):
         for h in range(H):
             k_all = key[b, h].float().contiguous()  # (S, D)
             v_t_all = value[b, h].t().float().contiguous()  # (Dv, S): oneDNN's "weight" layout
-            v_min, v_max = torch.aminmax(v_t_all)  # max |v| bounds |numerator| / denominator (`_well_scaled`)
-            value_bound = max(-v_min.item(), v_max.item())
             for start in range(0, T, block):
                 stop = min(start + block, T)
                 keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
-                q_blk = query[b, h, start:stop].float() * q_scale  # (Q, D) contiguous float32
+                q_blk = torch.mul(query[b, h, start:stop], q_scale)  # (Q, D) contiguous float32
                 # Row slice of k: contiguous. Column slice of vᵀ: strided, and oneDNN's GEMM on a strided
                 # "weight" falls to a kernel ~1000× slower (measured: 1 s vs 1 ms at 256 × 1024 × 64), so a
                 # causal block's (Dv, keys) values are copied (keys < S only happens with is_causal).
@@ -232,7 +236,7 @@ def onednn_attention(
                     denom = weights.sum(dim=-1, keepdim=True).clamp_min_(tiny)  # ≥ 1 unless fully masked
                     numer = mm(weights, v_t, None, "none", [], "")
                 torch.div(numer, denom, out=out[b, start:stop, h])
-    return out.to(query.dtype)  # (B, T, H, Dv); a no-op for float32
+    return out  # (B, T, H, Dv)
 
 
 def onednn_attention_forward(

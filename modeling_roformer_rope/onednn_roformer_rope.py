@@ -8,7 +8,7 @@ What lives here (and nowhere else):
   support for its dtype logs one warning (it runs several times slower than float32 there).
 - `tracing()`: torch.compile / export / jit / ONNX tracing, where every eager-only path steps aside.
 - `RoFormerRopeLinear` / `linear`: `nn.Linear` whose CPU float32 GEMMs (forward *and* backward) run on oneDNN;
-  at inference on short inputs also MKL's GEMM on a weight packed once (`prepack_roformer_rope.py`), where faster.
+  at inference also MKL's or oneDNN's GEMM on a weight packed once (`prepack_roformer_rope.py`), where faster.
 - `rotate_qkv`: the rotary step of a fused QKV projection: one complex multiply in eager mode (in place at
   inference), the real-valued eq. 34 under tracing.
 - `activation`: the MLP activation, exact GELU in place at inference.
@@ -28,7 +28,8 @@ parameters and state-dict keys.
 Switches: `ROFORMER_ROPE_ONEDNN=0` turns off every oneDNN path, `=1` uses it wherever it applies without
 measuring (unset or `auto`: measure); `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1|auto` does the same for the attention
 kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length limit (default 384 keys);
-`ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory, ~2.2× each weight packed).
+`ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory: ~2.2× each weight packed
+for MKL, ~1× for oneDNN).
 """
 
 import functools
@@ -42,9 +43,9 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUActivation
 
-from .calibration_roformer_rope import choose, force_default, row_bucket
+from .calibration_roformer_rope import choose, force_default, forced, row_bucket
 from .prepack_roformer_rope import available as packing_available
-from .prepack_roformer_rope import forget, packed_linear, proxy_gemm
+from .prepack_roformer_rope import forget, make_pack, packed_linear, packed_weight, proxy_gemm
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Settings:
     onednn: str = "auto"  # oneDNN GEMMs for CPU linears (and the attention kernel): "auto" | "on" | "off"
     onednn_attention: str = "auto"  # our blocked attention kernel where it applies: "auto" | "on" | "off"
     onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
-    pack: str = "auto"  # MKL-packed float32 weights at inference on ≤ PACK_MAX_ROWS rows: "auto" | "on" | "off"
+    pack: str = "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
 
     @property
     def onednn_attention_enabled(self) -> bool:
@@ -302,14 +303,17 @@ def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return choose(key, candidates)
 
 
-# Packing pays where the weight's layout is a large share of the GEMM (few rows), and the calibration proxy (≤ 256
-# rows) stands for the real size; at 128-1024 rows it took float32 GEMMs 5-25% faster on Sapphire Rapids.
+# Packing pays where laying the weight out is a large share of the GEMM (few rows). MKL's packs are for one row
+# count; at 128-1024 rows they took float32 GEMMs 5-25% faster on Sapphire Rapids, and the calibration proxy (≤ 256
+# rows) stands for that range. oneDNN's packs fit any row count (float32 and bf16): on a Zen 5 EPYC 2× at one row,
+# 1.5× at 16, 3-8% at 256-2048 rows (`prepack_roformer_rope.py`).
 PACK_MAX_ROWS = 1024
+PACK_PATHS = ("packed", "onednn_packed", "unpacked")  # the `linear_packed` decision: MKL's pack, oneDNN's, none
 
 
 def _packing_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None = None) -> bool:
-    """Float32 CPU inference on ≤ PACK_MAX_ROWS rows, eager, MKL's packed GEMM available and not switched off.
-    Not for DeepSpeed ZeRO-3 parameters (`ds_id`): a pack per gathered layer would undo the partitioning."""
+    """MKL's pack: float32 CPU inference on ≤ PACK_MAX_ROWS rows, eager, MKL's packed GEMM available and not switched
+    off. Not for DeepSpeed ZeRO-3 parameters (`ds_id`): a pack per gathered layer would undo the partitioning."""
     return (
         settings.pack != "off"
         and packing_available()
@@ -326,6 +330,20 @@ def _packing_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None 
     )
 
 
+def _onednn_packing_applies(x: torch.Tensor, weight: torch.Tensor, onednn: bool) -> bool:
+    """oneDNN's pack: where oneDNN's GEMM applies (`onednn`: `_onednn_applies`) to a plain 2-D weight of x's width,
+    any row count, packing not switched off, not a ZeRO-3 parameter."""
+    return (
+        onednn
+        and settings.pack != "off"
+        and packing_available("onednn")
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and weight.is_contiguous()
+        and not hasattr(weight, "ds_id")
+    )
+
+
 def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None):
     """The faster of oneDNN (`_mm`) and `F.linear` for this shape class (`F.linear` where oneDNN does not apply;
     `onednn`: `_onednn_applies` if the caller has it already)."""
@@ -334,16 +352,35 @@ def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear
 
 
-def _packed_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm) -> str:
-    """ "packed" (MKL's GEMM on a weight packed once, `prepack_roformer_rope.py`) or "unpacked" (`gemm`), measured."""
+def _packed_choice(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm, mkl: bool, dnn: bool
+) -> str:
+    """One of PACK_PATHS for x2d's shape class: "packed" (MKL's GEMM on a weight packed once), "onednn_packed"
+    (oneDNN's on its blocked layout) or "unpacked" (`gemm`), measured among those that apply (`mkl`, `dnn`).
+
+    Forced (`ROFORMER_ROPE_PACK=1` forces "packed"): "packed" takes MKL's pack where it applies, else oneDNN's;
+    "onednn_packed" takes oneDNN's where it applies; else unpacked. Another name is refused by `choose`."""
+    path = forced("linear_packed")
+    if path in PACK_PATHS:
+        if path == "packed" and not mkl:
+            path = "onednn_packed"
+        return path if path == "unpacked" or (path == "packed" and mkl) or dnn else "unpacked"
     key = ("linear_packed", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
 
     def candidates():
         proxy = x2d[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
         w, b = weight.detach(), None if bias is None else bias.detach()
-        return {"packed": proxy_gemm(proxy, w, b), "unpacked": lambda: gemm(proxy, w, b)}
+        paths = {"unpacked": lambda: gemm(proxy, w, b)}
+        if mkl:
+            paths["packed"] = proxy_gemm(proxy, w, b)
+        if dnn:
+            paths["onednn_packed"] = proxy_gemm(proxy, w, b, "onednn")
+        return paths
 
     return choose(key, candidates)
+
+
+_PACK_KIND = {"packed": "mkl", "onednn_packed": "onednn", "unpacked": None}
 
 
 def _inference_choice(
@@ -353,18 +390,22 @@ def _inference_choice(
     onednn: bool | None = None,
     traced: bool | None = None,
 ):
-    """(the faster unpacked GEMM, whether the packed one beats it) for x2d's shape class, each measured once."""
+    """(the faster unpacked GEMM, the pack kind that beats it or None) for x2d's shape class, each measured once."""
+    onednn = _onednn_applies(x2d, weight) if onednn is None else onednn
     gemm = _unpacked_gemm(x2d, weight, bias, onednn)
-    return gemm, _packing_applies(x2d, weight, traced) and _packed_choice(x2d, weight, bias, gemm) == "packed"
+    mkl, dnn = _packing_applies(x2d, weight, traced), _onednn_packing_applies(x2d, weight, onednn)
+    if not (mkl or dnn):
+        return gemm, None
+    return gemm, _PACK_KIND[_packed_choice(x2d, weight, bias, gemm, mkl, dnn)]
 
 
 def _inference_linear(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None
 ) -> torch.Tensor:
     """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class (eager only)."""
-    gemm, packed = _inference_choice(x2d, weight, bias, onednn, False)  # eager: `linear` checked tracing
-    if packed:
-        y = packed_linear(x2d.contiguous(), weight, bias)  # None until the weight has run twice at N rows
+    gemm, kind = _inference_choice(x2d, weight, bias, onednn, False)  # eager: `linear` checked tracing
+    if kind is not None:
+        y = packed_linear(x2d.contiguous(), weight, bias, kind)  # None until the weight has run twice (MKL: at N rows)
         if y is not None:
             return y
     return gemm(x2d if gemm is F.linear else x2d.contiguous(), weight, bias)  # F.linear reads strided inputs as is
@@ -373,8 +414,8 @@ def _inference_linear(
 def _proxy_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """A callable running on x2d's first rows the GEMM `_inference_linear` would choose for x2d's shape class."""
     proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
-    gemm, packed = _inference_choice(x2d, weight, bias)
-    return proxy_gemm(proxy, weight, bias) if packed else lambda: gemm(proxy, weight, bias)
+    gemm, kind = _inference_choice(x2d, weight, bias)
+    return proxy_gemm(proxy.contiguous(), weight, bias, kind) if kind else lambda: gemm(proxy, weight, bias)
 
 
 def linear(
@@ -478,8 +519,12 @@ def activation(act_fn: nn.Module, x: torch.Tensor, *producers: nn.Module) -> tor
 
 
 def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """GELU in oneDNN's GEMM epilogue ("fused") or the GEMM then an in-place GELU ("separate"), measured: the
-    epilogue saves a pass over the (N, O) output with one thread and loses with two on Sapphire Rapids."""
+    """GELU in oneDNN's GEMM epilogue ("fused", or "fused_packed" on the weight's oneDNN pack) or the GEMM then an
+    in-place GELU ("separate"), measured: the epilogue saves a pass over the (N, O) output with one thread and
+    loses with two on Sapphire Rapids. A forced "fused_packed" runs "fused" where packing does not apply."""
+    dnn = _onednn_packing_applies(x2d, weight, True)
+    if forced("linear_gelu") == "fused_packed" and not dnn:
+        return "fused"
     key = ("linear_gelu", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
 
     def candidates():
@@ -495,7 +540,17 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
                 gemm.append(_proxy_gemm(x2d, weight, bias))
             torch.ops.aten.gelu_(gemm[0]())
 
-        return {"fused": fused, "separate": separate}
+        paths = {"fused": fused, "separate": separate}
+        if dnn:
+            pack = []  # made on the untimed warm-up call
+
+            def fused_packed():
+                if not pack:
+                    pack.append(make_pack(weight.detach(), "onednn"))
+                _LINEAR_POINTWISE(proxy, pack[0], bias, "gelu", [], "none")
+
+            paths["fused_packed"] = fused_packed
+        return paths
 
     return choose(key, candidates)
 
@@ -510,8 +565,13 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
         and _onednn_applies(x, producer.weight)
     ):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
-        if _gelu_epilogue_choice(x2d, producer.weight, producer.bias) == "fused":
-            out = _LINEAR_POINTWISE(x2d, producer.weight, producer.bias, "gelu", [], "none")  # (N, O)
+        choice = _gelu_epilogue_choice(x2d, producer.weight, producer.bias)
+        if choice != "separate":
+            weight = producer.weight
+            if choice == "fused_packed":  # the weight's oneDNN pack, once it has run twice (None before)
+                weight = packed_weight(producer.weight, x2d.shape[0], "onednn")
+                weight = producer.weight if weight is None else weight
+            out = _LINEAR_POINTWISE(x2d, weight, producer.bias, "gelu", [], "none")  # (N, O)
             return out.view(*x.shape[:-1], producer.out_features)
     return activation(act_fn, producer(x), producer)
 

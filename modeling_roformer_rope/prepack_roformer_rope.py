@@ -1,17 +1,23 @@
-"""Float32 weights packed once for MKL's GEMM, for CPU inference on short inputs.
+"""Weights packed once for CPU inference: MKL's packed float32 GEMM, and oneDNN's blocked weight layout.
 
 Why: a linear layer on few rows (a 128-token sentence is 128 rows) reuses each weight element only M times, and a
-large share of its GEMM goes to laying the weight out for the kernel, again on every call. MKL can lay the weight
-out once (`cblas_sgemm_pack`) and compute from that layout (`cblas_sgemm_compute`); PyTorch exposes the pair as
-`torch.ops.mkl._mkl_reorder_linear_weight` / `torch.ops.mkl._mkl_linear`, what inductor emits for frozen CPU
-linears. `python bench/experiments.py packed_gemm` measures it against oneDNN and `F.linear` on the running CPU.
+large share of its GEMM goes to laying the weight out for the kernel, again on every call. Both libraries can lay
+the weight out once and compute from that layout, what inductor emits for frozen CPU linears:
+- "mkl": `torch.ops.mkl._mkl_reorder_linear_weight` / `torch.ops.mkl._mkl_linear` (MKL's `cblas_sgemm_pack` /
+  `cblas_sgemm_compute`), float32 only. A pack is made for one row count M and used only for inputs of exactly M
+  rows (any other input is computed with the original weight: correct either way); it takes ~2.2× the weight's
+  memory. Its GEMM is Intel's fast path (5-25% faster than oneDNN at 128-1024 rows on Sapphire Rapids).
+- "onednn": `torch.ops.mkldnn._reorder_linear_weight` / `torch.ops.mkldnn._linear_pointwise`: the weight in
+  oneDNN's blocked layout, float32 or bf16, for any row count, ~1× the weight's memory. The same GEMM as the
+  unpacked oneDNN one minus its per-call reorder of the weight (results equal from 16 rows; a one-row GEMV may
+  differ in the last bits): on a Zen 5 EPYC 2× faster at one row, 1.5× at 16, 3-8% at 256-2048 rows.
+`python bench/experiments.py --only packed_gemm` measures both against `F.linear` on the running CPU.
 
-The op's terms: a pack is made for one row count M, and `_mkl_linear` uses it only for inputs of exactly M rows
-(any other input is computed with the original weight: correct either way); a pack takes ~2.2× the weight's memory.
-
-This file is the mechanism; when to pack (measured per shape class, inference only) is `onednn_roformer_rope.linear`.
-- At most one pack per weight. It is made on the second of two calls in a row with the same row count and the same
-  weight (a stream of varying lengths never packs); a later row count that repeats replaces it.
+This file is the mechanism; when to pack and which kind (measured per shape class, inference only) is
+`onednn_roformer_rope.linear`.
+- At most one pack per weight and kind. An MKL pack is made on the second of two calls in a row with the same row
+  count and the same weight (a stream of varying lengths never packs); a later row count that repeats replaces it.
+  A oneDNN pack is made on the second call with the same weight, whatever the row counts.
 - Held weakly, keyed by the weight tensor itself: freed with it, invisible to `state_dict`, `copy` and `pickle`;
   dropped when the weight runs with autograd (training is about to change it).
 - Dropped when the weight changes: in place (its version counter), new storage (its data pointer), or a write
@@ -44,24 +50,45 @@ def _mkl_ops():
         return None
 
 
+def _onednn_ops():
+    """oneDNN's (pack, compute) pair, or None when this torch build lacks it (checked once, on a tiny problem)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        pack, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+        x, w = torch.ones(2, 4), torch.ones(3, 4)
+        if not torch.equal(linear(x, pack(w), None, "none", [], ""), torch.full((2, 3), 4.0)):
+            return None
+        return pack, lambda x2d, packed, weight, bias, rows: linear(x2d, packed, bias, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return None
+
+
 _OPS = _mkl_ops()
+_ONEDNN_OPS = _onednn_ops()
+KINDS = ("mkl", "onednn")
+
+
+def _ops(kind: str):
+    return _OPS if kind == "mkl" else _ONEDNN_OPS
 
 
 class _Pack:
     __slots__ = ("rows", "state", "sample", "packed")
 
-    def __init__(self, weight: torch.Tensor, rows: int, state: tuple):
-        self.rows, self.state = rows, state
+    def __init__(self, weight: torch.Tensor, rows: int | None, state: tuple, kind: str):
+        self.rows, self.state = rows, state  # rows: the row count an MKL pack is for (None: any, oneDNN)
         self.sample = _sample(weight).clone()
-        self.packed = _OPS[0](weight, rows)  # MKL's layout of weightᵀ for rows × I inputs (an opaque mkldnn tensor)
+        # MKL's layout of weightᵀ for rows × I inputs, or oneDNN's blocked layout of weight (opaque mkldnn tensors)
+        self.packed = make_pack(weight, kind, rows)
 
 
-_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight → its _Pack
-_previous: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight → (rows, state) of its previous call
+_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight → {kind: its _Pack}
+_previous: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight → {kind: (rows, state) of its previous call}
 
 
-def available() -> bool:
-    return _OPS is not None
+def available(kind: str = "mkl") -> bool:
+    return _ops(kind) is not None
 
 
 def _sample(weight: torch.Tensor) -> torch.Tensor:
@@ -73,54 +100,80 @@ def _state(weight: torch.Tensor) -> tuple:
     return weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride()
 
 
-def packed_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x2d (N, I) · weightᵀ + bias → (N, O) from the weight's pack for N rows, made now if this is the second call
-    in a row with N rows and an unchanged weight; None when there is no such pack (the caller runs an unpacked GEMM).
-    Inference only: the op has no autograd formula."""
+def packed_weight(weight: torch.Tensor, rows: int, kind: str = "mkl"):
+    """The weight's pack of `kind` (MKL: for `rows` rows), made now if this call repeats the previous one (MKL: `rows`
+    again; oneDNN: any rows) with an unchanged weight; None when there is no such pack (the caller computes with the
+    weight itself)."""
     key, weight = weight, weight.detach()  # packs are keyed by the parameter itself (`detach` makes a new object)
     if weight.is_inference():  # no version counter to tell an in-place change by
         return None
-    rows, state = x2d.shape[0], _state(weight)
-    pack = _packs.get(key)
+    rows, state = rows if kind == "mkl" else None, _state(weight)
+    packs = _packs.get(key)
+    pack = None if packs is None else packs.get(kind)
     if pack is not None and (pack.state != state or not torch.equal(_sample(weight), pack.sample)):
-        _packs.pop(key, None)  # the weight changed (in place, new storage, or through `.data`): free the stale pack now
+        _packs.pop(key, None)  # the weight changed (in place, new storage, or through `.data`): free its stale packs now
         _previous.pop(key, None)
         pack = None
     if pack is None or pack.rows != rows:
-        if _previous.get(key) != (rows, state):
-            _previous[key] = (rows, state)
+        previous = _previous.setdefault(key, {})
+        if previous.get(kind) != (rows, state):
+            previous[kind] = (rows, state)
             return None
-        pack = _packs[key] = _Pack(weight, rows, state)
-    _previous[key] = (rows, state)
-    return _OPS[1](x2d, pack.packed, weight, bias, rows)  # (N, O)
+        pack = _packs.setdefault(key, {})[kind] = _Pack(weight, rows, state, kind)
+    _previous.setdefault(key, {})[kind] = (rows, state)
+    return pack.packed
+
+
+def packed_linear(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str = "mkl"
+) -> torch.Tensor | None:
+    """x2d (N, I) · weightᵀ + bias → (N, O) from the weight's pack of `kind` (`packed_weight`), or None when there is
+    none yet (the caller runs an unpacked GEMM). Inference only: the ops have no autograd formula."""
+    packed = packed_weight(weight, x2d.shape[0], kind)
+    if packed is None:
+        return None
+    return _ops(kind)[1](x2d, packed, weight.detach(), bias, x2d.shape[0])  # (N, O)
 
 
 def forget(weight: torch.Tensor) -> None:
-    """Drop `weight`'s pack (a training step is about to change the weight: don't hold ~2.2× its memory meanwhile)."""
-    if _packs:
+    """Drop `weight`'s packs (a training step is about to change the weight: don't hold their memory meanwhile)."""
+    if _packs or _previous:
         _packs.pop(weight, None)
         _previous.pop(weight, None)
 
 
 def pack_rows(weight: torch.Tensor) -> int | None:
-    """The row count `weight` is packed for, or None (tests and debugging)."""
-    pack = _packs.get(weight)
+    """The row count `weight` has an MKL pack for, or None (tests and debugging)."""
+    pack = _packs.get(weight, {}).get("mkl")
     return None if pack is None else pack.rows
 
 
-def proxy_gemm(proxy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[], torch.Tensor]:
-    """A calibration candidate: the packed GEMM on `proxy` (R, I), packed on its first call (the warm-up call,
-    which `calibration_roformer_rope.choose` does not time), like a layer that runs again and again at R rows."""
+def pack_kinds(weight: torch.Tensor) -> list[str]:
+    """The kinds of pack `weight` has (tests and debugging)."""
+    return sorted(_packs.get(weight, {}))
+
+
+def make_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> torch.Tensor:
+    """A new pack of `weight` (MKL: for `rows` rows), held by nobody but the caller (calibration candidates)."""
+    return _ops(kind)[0](weight, rows) if kind == "mkl" else _ops(kind)[0](weight)
+
+
+def proxy_gemm(
+    proxy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str = "mkl"
+) -> Callable[[], torch.Tensor]:
+    """A calibration candidate: the packed GEMM of `kind` on `proxy` (R, I), packed on its first call (the warm-up
+    call, which `calibration_roformer_rope.choose` does not time), like a layer that runs again and again."""
     rows, made = proxy.shape[0], []
+    compute = _ops(kind)[1]
 
     def run() -> torch.Tensor:
         if not made:
-            made.append((_OPS[0](weight, rows), _sample(weight).clone()))
+            made.append((make_pack(weight, kind, rows), _sample(weight).clone()))
         packed, sample = made[0]
         _state(weight), torch.equal(_sample(weight), sample)  # the checks `packed_linear` makes on each call, timed too
-        return _OPS[1](proxy, packed, weight, bias, rows)  # (R, O)
+        return compute(proxy, packed, weight, bias, rows)  # (R, O)
 
     return run
 
 
-__all__ = ["available", "forget", "pack_rows", "packed_linear", "proxy_gemm"]
+__all__ = ["KINDS", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight", "proxy_gemm"]

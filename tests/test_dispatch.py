@@ -30,19 +30,23 @@ def forced():
 @needs_onednn
 @pytest.mark.parametrize("attention", ["onednn", "sdpa"])
 @pytest.mark.parametrize(
-    "linear, backward, gelu",
-    [("onednn", "onednn", "fused"), ("onednn", "torch", "separate"), ("torch", "torch", "separate"),
-     ("torch", "torch", "fused")],
+    "linear, backward, gelu, pack",
+    [("onednn", "onednn", "fused", "unpacked"), ("onednn", "torch", "separate", "onednn_packed"),
+     ("torch", "torch", "separate", "packed"), ("torch", "torch", "fused", "unpacked"),
+     ("onednn", "onednn", "fused_packed", "onednn_packed")],
 )  # fmt: skip
-def test_every_path_equals_the_builtin(forced, linear, backward, gelu, attention):
-    """Forward (at a length where the attention kernel may run) and gradients, per forced path."""
-    forced(linear=linear, linear_backward=backward, linear_gelu=gelu, attention=attention)
+def test_every_path_equals_the_builtin(forced, linear, backward, gelu, pack, attention):
+    """Forward (at a length where the attention kernel may run; twice, so packed weights are made and used) and
+    gradients, per forced path."""
+    forced(linear=linear, linear_backward=backward, linear_gelu=gelu, linear_packed=pack, attention=attention)
     builtin = builtin_model("RoFormerForMaskedLM", max_position_embeddings=512)
     ours = convert_model(builtin).eval()
     batch = padded_batch(seq_len=400)
     valid = batch["attention_mask"].bool()
     with torch.no_grad():
-        torch.testing.assert_close(ours(**batch).logits[valid], builtin(**batch).logits[valid], atol=1e-4, rtol=1e-4)
+        expected = builtin(**batch).logits[valid]
+        for _ in range(2):
+            torch.testing.assert_close(ours(**batch).logits[valid], expected, atol=1e-4, rtol=1e-4)
     labels = torch.where(valid, batch["input_ids"], -100)
     ours.train(), builtin.train()
     ours(**batch, labels=labels).loss.backward()
@@ -67,11 +71,14 @@ def test_choices_are_measured_once_and_logged(caplog):
         layer(torch.randn(310, 48))  # same shape class: no new measurement
     made = {tuple(d["class"]): d for d in calibration.decisions()}
     gemm, packing = ("linear", "torch.float32", 48, 40, 1024), ("linear_packed", "torch.float32", 48, 40, 1024)
-    measured = fast._packing_applies(x, layer.weight) and calibration.forced("linear_packed") is None
+    onednn = fast._onednn_applies(x, layer.weight)
+    packs = {"unpacked"} | ({"packed"} if fast._packing_applies(x, layer.weight) else set())
+    packs |= {"onednn_packed"} if fast._onednn_packing_applies(x, layer.weight, onednn) else set()
+    measured = len(packs) > 1 and calibration.forced("linear_packed") is None
     assert set(made) == ({gemm, packing} if measured else {gemm})
     assert made[gemm]["choice"] in ("onednn", "torch") and set(made[gemm]["ms"]) == {"onednn", "torch"}
     if packing in made:
-        assert made[packing]["choice"] in ("packed", "unpacked") and set(made[packing]["ms"]) == {"packed", "unpacked"}
+        assert made[packing]["choice"] in packs and set(made[packing]["ms"]) == packs
     assert len([r for r in caplog.records if "roformer_rope dispatch" in r.getMessage()]) == len(made)
     torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 

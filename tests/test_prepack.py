@@ -1,4 +1,5 @@
-"""MKL-packed float32 weights at inference: equal to `F.linear`, made only when a shape repeats, never stale."""
+"""Packed weights at inference (MKL's float32 packs, oneDNN's float32/bf16 packs): equal to `F.linear`, made only
+when a call repeats, never stale."""
 
 import copy
 import gc
@@ -167,3 +168,125 @@ def test_environment_switches_packing(value, expected):
         assert out == {"ok": True, "packed": 4, "measured": False}
     else:
         assert out["measured"] and out["packed"] in (None, 4)
+
+
+@pytest.fixture
+def onednn_packing():
+    if not prepack.available("onednn"):
+        pytest.skip("this torch build has no oneDNN weight packing")
+    calibration.force("linear_packed", "onednn_packed")
+    calls = []
+    original = prepack._ONEDNN_OPS
+    prepack._ONEDNN_OPS = (original[0], lambda *args: calls.append(args[0].shape[0]) or original[1](*args))
+    yield calls  # the row counts the packed oneDNN GEMM ran with
+    prepack._ONEDNN_OPS = original
+    calibration.force("linear_packed", None)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_pack_serves_any_row_count_and_equals_the_unpacked_gemm(onednn_packing, dtype):
+    """Made on the weight's second call (whatever its row count), used for every row count after; bit-equal to
+    oneDNN's unpacked GEMM from 16 rows, within float32/bf16 rounding of `F.linear` below."""
+    if not fast._onednn_applies(torch.ones(1, 48, dtype=dtype), torch.ones(4, 48, dtype=dtype)):
+        pytest.skip(f"oneDNN's GEMM does not run {dtype} on this CPU")
+    torch.manual_seed(0)
+    layer = fast.RoFormerRopeLinear(48, 40).to(dtype)
+    unpacked = lambda x: fast._mm(x.reshape(-1, 48), layer.weight, layer.bias).view(*x.shape[:-1], 40)  # noqa: E731
+    x, other = torch.randn(2, 37, 48, dtype=dtype), torch.randn(5, 48, dtype=dtype)
+    assert torch.equal(layer(x), unpacked(x)) and onednn_packing == []  # first call: not packed
+    assert prepack.pack_kinds(layer.weight) == []
+    assert torch.equal(layer(other), unpacked(other))  # second call, another row count: packed and used
+    assert onednn_packing == [5] and prepack.pack_kinds(layer.weight) == ["onednn"]
+    for rows in (74, 1, 300):
+        y = layer(torch.randn(rows, 48, dtype=dtype))
+        assert y.shape == (rows, 40)
+    assert onednn_packing == [5, 74, 1, 300] and prepack.pack_rows(layer.weight) is None  # no MKL pack
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for rows in (1, 16, 129):
+        z = torch.randn(rows, 48, dtype=dtype)
+        got = layer(z)
+        if rows >= 16:
+            assert torch.equal(got, unpacked(z))
+        torch.testing.assert_close(got.float(), F.linear(z.float(), layer.weight.float(), layer.bias.float()), **tolerance)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "change",
+    [lambda w: w.mul_(2), lambda w: setattr(w, "data", torch.randn_like(w)), lambda w: w.data.normal_()],
+    ids=["in-place", "new-storage", "data-normal"],
+)
+def test_a_changed_weight_is_never_computed_from_a_stale_onednn_pack(onednn_packing, change):
+    torch.manual_seed(0)
+    layer = fast.RoFormerRopeLinear(48, 40)
+    x = torch.randn(16, 48)
+    layer(x), layer(x)
+    assert prepack.pack_kinds(layer.weight) == ["onednn"]
+    change(layer.weight)
+    for _ in range(3):  # the stale pack is dropped at once; a new one is made on the second call
+        _close(layer(x), layer, x)
+    assert prepack.pack_kinds(layer.weight) == ["onednn"] and len(onednn_packing) == 3
+
+
+def test_training_frees_onednn_packs(onednn_packing):
+    layer = fast.RoFormerRopeLinear(48, 40)
+    x = torch.randn(16, 48)
+    with torch.no_grad():
+        layer(x), layer(x)
+    assert prepack.pack_kinds(layer.weight) == ["onednn"]
+    layer(x.requires_grad_()).sum().backward()
+    assert prepack.pack_kinds(layer.weight) == []
+
+
+@torch.no_grad()
+def test_packing_switches_apply_to_both_kinds(monkeypatch):
+    """A forced path that does not apply to a class falls back instead of failing: "packed" (ROFORMER_ROPE_PACK=1)
+    takes oneDNN's pack where MKL's does not apply (bf16, > 1024 rows); "onednn_packed" where oneDNN's GEMM does not
+    run stays unpacked; ROFORMER_ROPE_PACK=0 turns both kinds off."""
+    if not prepack.available("onednn"):
+        pytest.skip("this torch build has no oneDNN weight packing")
+    layer = fast.RoFormerRopeLinear(48, 40)
+    big = torch.randn(1100, 48)  # > PACK_MAX_ROWS: no MKL pack
+    assert not fast._packing_applies(big, layer.weight) and fast._onednn_packing_applies(big, layer.weight, True)
+    calibration.force("linear_packed", "packed")
+    try:
+        layer(big), layer(big)
+        assert prepack.pack_kinds(layer.weight) == ["onednn"]
+        calibration.force("linear_packed", "onednn_packed")
+        double = fast.RoFormerRopeLinear(48, 40).double()  # no oneDNN GEMM for float64: F.linear, never packed
+        x = torch.randn(16, 48, dtype=torch.float64)
+        for _ in range(3):
+            torch.testing.assert_close(double(x), F.linear(x, double.weight, double.bias))
+        assert prepack.pack_kinds(double.weight) == []
+        monkeypatch.setattr(fast, "settings", fast.Settings(pack="off"))
+        other = fast.RoFormerRopeLinear(48, 40)
+        other(big), other(big)
+        assert prepack.pack_kinds(other.weight) == []
+    finally:
+        calibration.force("linear_packed", None)
+
+
+@torch.no_grad()
+def test_gelu_epilogue_on_the_onednn_pack(onednn_packing):
+    """"fused_packed": the GELU runs in oneDNN's epilogue of the packed GEMM from the weight's second call on."""
+    from transformers.activations import ACT2FN
+
+    calibration.force("linear_gelu", "fused_packed")
+    try:
+        torch.manual_seed(0)
+        producer = fast.RoFormerRopeLinear(48, 96)
+        x = torch.randn(2, 70, 48)
+        expected = F.gelu(F.linear(x, producer.weight, producer.bias))
+        weights = []
+        original = fast._LINEAR_POINTWISE
+        fast._LINEAR_POINTWISE = lambda *args: weights.append(args[1].is_mkldnn) or original(*args)
+        try:
+            outs = [fast.linear_activation(x, producer, ACT2FN["gelu"]) for _ in range(3)]
+        finally:
+            fast._LINEAR_POINTWISE = original
+        assert weights == [False, True, True] and prepack.pack_kinds(producer.weight) == ["onednn"]
+        for out in outs:
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        calibration.force("linear_gelu", None)
