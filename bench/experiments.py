@@ -6,6 +6,8 @@
 Experiments
 - attention_proxy: ours / SDPA as the dispatcher times them, on the attention decision's proxy (old: one head ×
   256 queries; current: ≈ 2²⁰ scores) vs on the whole layer, float32 and bf16: whether the proxy stands for it.
+- attention_bf16: bf16 attention per layer, time and error against a float64 oracle: SDPA, the built-in's bf16
+  eager arithmetic, our float32-attended kernel, and bf16-GEMM variants with float32 softmax statistics.
 - attention_parts: bf16 SDPA vs a lower bound for any attention built from torch's kernels: its two bf16 GEMMs
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
@@ -310,6 +312,70 @@ def attention_proxy(reps: int, shapes) -> None:
             print(f"| {str(dtype).removeprefix('torch.')} | {batch}×{length} | " + " | ".join(cells) + " |", flush=True)
 
 
+def _bf16_attention(q, k, v, pv_only: bool, block: int = 512) -> torch.Tensor:
+    """A bf16 attention variant built from oneDNN's bf16 GEMMs, float32 softmax statistics (exp2, row sums), for
+    `attention_bf16`: scores from a bf16 GEMM (rounded once to bf16, as the built-in's bf16 eager attention does)
+    unless `pv_only`, where they stay exact (float32 GEMM, as our kernel); weights normalised in float32, rounded
+    once to bf16 for the PV GEMM, which writes the bf16 output. q, k, v (B, H, T|S, D) bf16 → (B, T, H, D)."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    B, H, T, D = q.shape
+    scale = torch.tensor([D**-0.5 * 1.4426950408889634])  # base-2 units; float32 promotion (see onednn_attention)
+    out = torch.empty(B, T, H, v.shape[-1], dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            k_h = k[b, h].float().contiguous() if pv_only else k[b, h].contiguous()  # (S, D)
+            v_t = v[b, h].t().contiguous()  # (D, S) bf16
+            for s in range(0, T, block):
+                q_b = torch.mul(q[b, h, s : s + block], scale) if pv_only else q[b, h, s : s + block].contiguous()
+                scores = linear(q_b, k_h, None, "none", [], "")  # (Q, S) float32 (scaled) or bf16 (raw)
+                w = scores.exp2_() if pv_only else torch.mul(scores, scale).exp2_()  # (Q, S) float32
+                w.mul_(w.sum(-1, keepdim=True).reciprocal_())  # (Q, S) normalised; a row max is not needed here
+                out[b, s : s + block, h] = linear(w.to(q.dtype), v_t, None, "none", [], "")  # (Q, D) bf16
+    return out
+
+
+def attention_bf16(reps: int, shapes) -> None:
+    """bf16 attention per layer (12 heads of 64, inputs as the model passes them): time and error against a float64
+    oracle of SDPA's bf16 kernel, the built-in's bf16 eager arithmetic (bf16 scores, bf16 softmax), our kernel
+    (float32-attended, what the model runs) and two bf16-GEMM variants with float32 softmax statistics
+    (`_bf16_attention`: bf16 PV only, or bf16 scores and PV). Queries/keys ×3 with a shared key component, so that
+    scores are large, as in trained models. What "bf16 attention with float32 softmax statistics where faster and
+    within tolerance" would buy on this CPU."""
+    from modeling_roformer_rope.onednn_attention_roformer_rope import onednn_attention
+
+    def eager(q, k, v):  # the built-in RoFormer's bf16 arithmetic
+        scores = torch.matmul(q, k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # (B, H, T, S) bf16
+        return torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2)  # (B, T, H, D)
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| B×T | kernel | ms per layer | max abs error | rms error |")
+    print("|---|---|---|---|---|")
+    for batch, length in shapes:
+        generator = torch.Generator().manual_seed(0)
+        qkv = torch.randn(batch, length, 3, 12, 64, generator=generator)  # (B, T, 3, H, D)
+        qkv[:, :, :2] *= 3
+        qkv[:, :, 1] += 1.5 * torch.randn(1, 1, 12, 64, generator=generator)
+        q, k, v = (t.transpose(1, 2) for t in qkv.bfloat16().unbind(2))  # (B, H, T, D) views
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).transpose(1, 2)
+        args = (q, k, v)
+        kernels = {
+            "SDPA bf16": lambda args=args: F.scaled_dot_product_attention(*args).transpose(1, 2),
+            "built-in eager bf16": partial(eager, *args),
+            "ours, float32-attended": partial(onednn_attention, *args),
+            "bf16 PV, exact scores": partial(_bf16_attention, *args, pv_only=True),
+            "bf16 scores and PV": partial(_bf16_attention, *args, pv_only=False),
+        }
+        with torch.no_grad():
+            t = interleaved(kernels, reps=reps, warmup=1)
+            for name, fn in kernels.items():
+                error = fn().double() - exact
+                print(
+                    f"| {batch}×{length} | {name} | {t.ms(name):.1f} | {error.abs().max().item():.1e} | "
+                    f"{error.pow(2).mean().sqrt().item():.1e} |",
+                    flush=True,
+                )
+
+
 def attention_parts(reps: int, shapes, block: int = 512) -> None:
     """bf16 attention per layer at base width: SDPA's kernel vs the parts any kernel built from torch's own ops
     must pay, each at its best (outputs written to buffers that stay in cache): the two bf16 GEMMs per head
@@ -511,6 +577,8 @@ def main() -> None:
             attention_rate(args.reps, shapes)
         elif name == "attention_proxy":
             attention_proxy(args.reps, shapes)
+        elif name == "attention_bf16":
+            attention_bf16(args.reps, shapes)
         elif name == "attention_parts":
             attention_parts(args.reps, shapes)
         elif name == "op_chain":

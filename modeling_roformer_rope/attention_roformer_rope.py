@@ -20,7 +20,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention
-from .onednn_attention_roformer_rope import onednn_attention_applies, onednn_attention_forward, sdpa_layout
+from .onednn_attention_roformer_rope import onednn_attention_forward, onednn_attention_path, sdpa_layout
 from .onednn_roformer_rope import RoFormerRopeLinear, rotate_qkv
 
 
@@ -83,10 +83,14 @@ def sdpa_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there), or
-    on SDPA with compact keys and values where that measures faster (`sdpa_layout`)."""
-    if onednn_attention_applies(query, key, attention_mask, dropout, value):
-        out, weights = onednn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there; for bf16
+    with bf16 PV where that measures faster), or on SDPA with compact keys and values where that measures faster
+    (`sdpa_layout`)."""
+    path = onednn_attention_path(query, key, attention_mask, dropout, value)
+    if path is not None:
+        out, weights = onednn_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, bf16_pv=path == "onednn_bf16", **kwargs
+        )
     else:
         if sdpa_layout(query, key, value) == "contiguous":
             key, value = key.contiguous(), value.contiguous()  # (B, H, S, D) each

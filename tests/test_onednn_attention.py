@@ -303,3 +303,69 @@ def test_every_gemm_gets_contiguous_operands(is_causal, monkeypatch):
     out = oa.onednn_attention(q, k, v, is_causal=is_causal, block=64)
     assert len(seen) >= 2 * 5 and all(x and w for x, w in seen), seen
     torch.testing.assert_close(out, oracle(q, k, v, is_causal=is_causal).float(), atol=1e-5, rtol=1e-5)
+
+
+needs_native_bf16 = pytest.mark.skipif(
+    oa._LINEAR_POINTWISE is None or not oa._NATIVE[torch.bfloat16], reason="bf16 PV needs bf16 instructions"
+)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("case", ["plain", "bool-mask", "float-mask", "causal", "extreme-scores"])
+def test_bf16_pv_stays_within_sdpa_error(case):
+    """bf16 PV (float32 scores and softmax statistics, weights rounded once to bf16): against the float64 oracle of
+    the same bf16 inputs, an RMS error at most 1.5× that of SDPA's own bf16 kernel (which also rounds its weights)
+    and no element off by more than two bf16 roundings of the largest output, on every mask kind and on the
+    max-subtracting path; fully masked rows give zeros."""
+    q, k, v = (t.bfloat16() for t in qkv_views(2, 520, H=2))
+    mask, causal = None, case == "causal"
+    if case == "bool-mask":
+        mask = torch.rand(2, 1, 520, 520, generator=torch.Generator().manual_seed(3)) > 0.3
+        mask[1, :, :, 400:] = False
+        mask[0, 0, 5] = False  # a query that sees nothing
+    elif case == "float-mask":
+        mask = torch.randn(2, 2, 520, 520, generator=torch.Generator().manual_seed(4))
+        mask[..., 500:] = torch.finfo(torch.float32).min
+    elif case == "extreme-scores":
+        q = q * torch.tensor([40.0, 1.0], dtype=torch.bfloat16).view(1, 2, 1, 1)  # 2^s' overflows in head 0
+    out = oa.onednn_attention(q, k, v, mask, is_causal=causal, bf16_pv=True, block=128)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 520, 2, 16)
+    exact = oracle(q, k, v, mask, is_causal=causal)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal).transpose(1, 2)
+    def rms(x):
+        return (x.float() - exact).pow(2).mean().sqrt().item()
+
+    assert rms(out) <= 1.5 * rms(sdpa) + 1e-7
+    assert (out.float() - exact).abs().max().item() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+    if case == "bool-mask":
+        assert torch.equal(out[0, 5], torch.zeros_like(out[0, 5]))
+
+
+def test_bf16_pv_refuses_other_dtypes():
+    q, k, v = qkv_views(1, 520)
+    with pytest.raises(ValueError, match="bf16_pv needs bf16"):
+        oa.onednn_attention(q, k, v, bf16_pv=True)
+
+
+@needs_native_bf16
+def test_the_model_runs_bf16_pv_where_chosen_and_float32_models_never(monkeypatch):
+    """With the attention decision at "onednn_bf16": a bf16 model's layers run bf16 PV and stay close to its float32
+    twin; a float32 model runs the float32-attended kernel (the forced path does not apply to it)."""
+    calibration.force("attention", "onednn_bf16")
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args[1].dtype, kwargs.get("bf16_pv")))
+        return oa.onednn_attention_forward(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "onednn_attention_forward", spy)
+    torch.manual_seed(0)
+    model = rr.RoFormerRopeModel(tiny_config()).eval()
+    batch = padded_batch(seq_len=600)
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        reference = model(**batch).last_hidden_state[valid]
+        low = model.to(torch.bfloat16)(**batch).last_hidden_state[valid].float()
+    layers = model.config.num_hidden_layers
+    assert seen == [(torch.float32, False)] * layers + [(torch.bfloat16, True)] * layers
+    assert torch.nn.functional.cosine_similarity(low, reference, dim=-1).min().item() > 0.999
