@@ -94,18 +94,24 @@ def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     )
 
 
-# Scores a proxy holds (queries × keys × heads). One head's 256 queries (the first version) was too little to stand
-# for the whole problem: at 4×512 on a Zen 5 EPYC it timed our kernel 3% slower than SDPA, which was 25% slower on
-# the whole layer (per-call costs weigh more on a small slice); at ~2²⁰ scores the proxy's ratio is the layer's
-# within a few percent at 512-4096 keys (`python bench/experiments.py --only attention_proxy`).
+# Scores a proxy holds at least (queries × keys × heads). One head's 256 queries (the first version) was too little
+# to stand for the whole problem: at 4×512 on a Zen 5 EPYC it timed our kernel 3% slower than SDPA, which was 25%
+# slower on the whole layer (per-call costs weigh more on a small slice), and at 4096 keys a 256-query slice timed
+# the bf16 PV GEMM on half the rows the kernel gives it. So the proxy holds one whole query block of the kernel and
+# ≥ 2²⁰ scores (`python bench/experiments.py --only attention_proxy`).
 PROXY_SCORES = 1 << 20
 
 
+def _block_rows(S: int) -> int:
+    """Queries the kernel scores at a time against S keys: ≤ SCORES_PER_BLOCK scores, 64 to MAX_BLOCK rows."""
+    return max(64, min(MAX_BLOCK, SCORES_PER_BLOCK // S))
+
+
 def _proxy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What the attention decisions are timed on: ≈ PROXY_SCORES scores of the first batch row, as whole heads
-    (all queries, all keys) while one head holds fewer, else one head's first queries (at least 64)."""
+    """What the attention decisions are timed on, from the first batch row: one query block of the kernel, or more
+    up to ≈ PROXY_SCORES scores; as whole heads (all queries, all keys) while one head holds fewer, else one head."""
     T, S = query.shape[2], key.shape[2]
-    rows = min(T, max(64, PROXY_SCORES // S))  # queries per head
+    rows = min(T, max(_block_rows(S), PROXY_SCORES // S))  # queries per head
     heads = max(1, PROXY_SCORES // (rows * S)) if rows == T else 1
     q = query[:1, :heads, :rows]  # (1, h, t, D)
     return tuple(t.detach() for t in (q, key[:1, :heads], value[:1, :heads]))  # (1, h, t | S, D)
@@ -228,7 +234,7 @@ def onednn_attention(
     scaling = D**-0.5 if scaling is None else scaling
     Dv = value.shape[-1]
     mm = _LINEAR_POINTWISE
-    block = block or max(64, min(MAX_BLOCK, SCORES_PER_BLOCK // S))
+    block = block or _block_rows(S)
     tiny = torch.finfo(torch.float32).tiny
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:

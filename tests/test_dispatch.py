@@ -299,16 +299,18 @@ def test_environment_fixes_any_decision():
 
 @pytest.mark.parametrize(
     "B, H, T, S, heads, rows",
-    [(4, 12, 512, 512, 4, 512), (1, 12, 4096, 4096, 1, 256), (1, 12, 1536, 1536, 1, 682), (2, 3, 400, 400, 3, 400),
-     (1, 12, 60, 20000, 1, 60), (1, 12, 300, 30000, 1, 64)],
+    [(4, 12, 512, 512, 4, 512), (1, 12, 4096, 4096, 1, 512), (1, 12, 1536, 1536, 1, 1024), (2, 3, 400, 400, 3, 400),
+     (1, 12, 60, 20000, 1, 60), (1, 12, 300, 30000, 1, 69), (1, 12, 8192, 8192, 1, 256), (1, 12, 3000, 700, 1, 1497)],
 )  # fmt: skip
-def test_attention_proxy_holds_about_a_million_scores(B, H, T, S, heads, rows):
-    """Whole heads of the first batch row while they fit in PROXY_SCORES (the decision then sees the layer's
-    per-head costs), else one head's first queries, never fewer than 64 nor more than the problem has."""
+def test_attention_proxy_holds_a_query_block_and_about_a_million_scores(B, H, T, S, heads, rows):
+    """One whole query block of the kernel (the GEMM shapes it really runs) and at least PROXY_SCORES scores, as
+    whole heads of the first batch row while they fit (the decision then sees the layer's per-head costs), else
+    one head's first queries; never more than the problem has."""
     q = torch.randn(B, H, T, 8)
     k, v = torch.randn(B, H, S, 8), torch.randn(B, H, S, 4)
     pq, pk, pv = oa._proxy(q, k, v)
     assert pq.shape == (1, heads, rows, 8) and pk.shape == (1, heads, S, 8) and pv.shape == (1, heads, S, 4)
     assert pq.data_ptr() == q.data_ptr() and pk.data_ptr() == k.data_ptr()  # slices, not copies
+    assert rows == T or rows >= oa._block_rows(S)
     if 1 < heads < H:  # as many whole heads as the budget holds
         assert heads * rows * S <= oa.PROXY_SCORES < (heads + 1) * rows * S
