@@ -254,6 +254,8 @@ def onednn_attention(
     # max |v| over every head bounds |numerator| / denominator (`_well_scaled`): one reduction per call
     v_min, v_max = torch.aminmax(value) if value.numel() else (torch.zeros(()), torch.zeros(()))
     value_bound = max(-v_min.item(), v_max.item())
+    # the bf16 weights of every block go to one buffer (fewer fresh pages for the kernel to fault in)
+    low_weights = torch.empty(min(block, T) * S, dtype=torch.bfloat16) if bf16_pv else None  # (Q·S,)
     # Operands are copied per head (and queries per block), never per batch row: small copies reuse
     # freed heap memory, while (H, T, D)-sized ones would be fresh pages for the kernel to fault in.
     for b in range(B):
@@ -285,8 +287,9 @@ def onednn_attention(
                     weights = scores.sub_(row_max).exp2_()  # largest weight of a row is 1
                     denom = weights.sum(dim=-1, keepdim=True).clamp_min_(tiny)  # ≥ 1 unless fully masked
                 if bf16_pv:
-                    weights = weights.mul_(denom.reciprocal_()).to(torch.bfloat16)  # (Q, keys), rows sum to ~1
-                    out[b, start:stop, h] = mm(weights, v_t, None, "none", [], "")  # (Q, Dv) bf16
+                    low = low_weights[: (stop - start) * keys].view(stop - start, keys)  # (Q, keys) bf16, dense
+                    low.copy_(weights.mul_(denom.reciprocal_()))  # normalised, rows sum to ~1, rounded once
+                    out[b, start:stop, h] = mm(low, v_t, None, "none", [], "")  # (Q, Dv) bf16
                 else:
                     torch.div(mm(weights, v_t, None, "none", [], ""), denom, out=out[b, start:stop, h])  # (Q, Dv)
     return out  # (B, T, H, Dv)
