@@ -91,7 +91,10 @@ def main() -> None:
     headers = ["dtype", "B×T", "allocator", "built-in ms (faults)", "ours ms (faults)", "built-in / ours"]
     table = markdown_table(headers, rows)
     info = machine()
-    header = f"CPU: {info['CPU']}, torch threads {info['torch threads']}, {info['date (UTC)']} UTC"
+    header = (
+        f"CPU: {info['CPU']}, {info['CPU family/model']}, torch threads {info['torch threads']}, "
+        f"{info['date (UTC)']} UTC, roformer_rope {info['roformer_rope']}"
+    )
     options = f"--layers {args.layers} --shapes {args.shapes} --dtypes {args.dtypes} --reps {args.reps}"
     title = f"# Page faults: built-in vs ours under two allocators ({args.layers} layers)"
     text = "\n\n".join([title, f"`python bench/page_faults.py {options}`", header, table])
