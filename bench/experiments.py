@@ -8,6 +8,8 @@ Experiments
   256 queries; current: a query block, ≥ 2²⁰ scores) vs on the whole layer, float32 and bf16: whether it stands for it.
 - attention_bf16: bf16 attention per layer, time and error against a float64 oracle: SDPA, the built-in's bf16
   eager arithmetic, our float32-attended kernel, and bf16-GEMM variants with float32 softmax statistics.
+- attention_kernel_parts: our attention kernel per layer vs the sum of its parts timed alone at its block shapes
+  (float32 QKᵀ GEMMs, exp2 and sums, PV GEMMs in float32 or bf16).
 - attention_parts: bf16 SDPA vs a lower bound for any attention built from torch's kernels: its two bf16 GEMMs
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
@@ -376,6 +378,64 @@ def attention_bf16(reps: int, shapes) -> None:
                 )
 
 
+def attention_kernel_parts(reps: int, shapes) -> None:
+    """Our attention kernel (one layer, 12 heads of 64, fused-projection views) against the sum of its parts, each
+    timed alone at the kernel's own block shapes with its operands in place: per head and query block the float32
+    QKᵀ GEMM on oneDNN, the exp2 and the row sums of the scores, the PV GEMM (float32, or bf16 for `bf16_pv`). The
+    parts are what any kernel of this design pays; kernel / parts is what the Python loop, the per-head operand
+    copies and the divisions add."""
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| B×T | inputs | QKᵀ GEMMs ms (GFLOP/s) | exp2 + sums ms | PV GEMMs ms (GFLOP/s) | parts ms | kernel ms "
+          "| kernel / parts |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        for bf16_pv in (False, True):
+            _kernel_parts_at(batch, length, reps, bf16_pv)
+
+
+def _kernel_parts_at(batch: int, length: int, reps: int, bf16_pv: bool) -> None:
+    from modeling_roformer_rope.onednn_attention_roformer_rope import _block_rows, onednn_attention
+
+    linear = torch.ops.mkldnn._linear_pointwise
+    low = torch.bfloat16 if bf16_pv else torch.float32  # the PV GEMM's dtype
+    rows = min(_block_rows(length), length)
+    blocks = batch * 12 * -(-length // rows)  # (head, query block) pairs per layer
+    q, k = torch.randn(rows, 64), torch.randn(length, 64)  # (Q, D), (S, D)
+    scores = linear(q, k, None, "none", [], "").div_(8)  # (Q, S), in exp2's range
+    work = torch.empty_like(scores)
+    weights, v_t = scores.softmax(-1).to(low), torch.randn(64, length).to(low)  # (Q, S), (D, S)
+    qkv = torch.randn(batch, length, 3, 12, 64, dtype=low)  # (B, T, 3, H, D): bf16 inputs for bf16 PV
+    views = tuple(t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) each
+
+    def qk():
+        for _ in range(blocks):
+            linear(q, k, None, "none", [], "")
+
+    def exp():
+        for _ in range(blocks):
+            torch.exp2(scores, out=work).sum(-1)
+
+    def pv():
+        for _ in range(blocks):
+            linear(weights, v_t, None, "none", [], "")
+
+    with torch.no_grad():
+        t = interleaved(
+            {"qk": qk, "exp": exp, "pv": pv, "kernel": partial(onednn_attention, *views, bf16_pv=bf16_pv)},
+            reps=reps,
+            warmup=1,
+        )
+    flops = 2.0 * rows * length * 64 * blocks  # per GEMM kind, per layer
+    total = t.ms("qk") + t.ms("exp") + t.ms("pv")
+    label = "bf16, bf16 PV" if bf16_pv else "float32"
+    print(
+        f"| {batch}×{length} | {label} | {t.ms('qk'):.1f} ({flops / t.median('qk') / 1e9:.0f}) | {t.ms('exp'):.1f} | "
+        f"{t.ms('pv'):.1f} ({flops / t.median('pv') / 1e9:.0f}) | {total:.1f} | {t.ms('kernel'):.1f} | "
+        f"{t.ms('kernel') / total:.2f}× |",
+        flush=True,
+    )
+
+
 def attention_parts(reps: int, shapes, block: int = 512) -> None:
     """bf16 attention per layer at base width: SDPA's kernel vs the parts any kernel built from torch's own ops
     must pay, each at its best (outputs written to buffers that stay in cache): the two bf16 GEMMs per head
@@ -579,6 +639,8 @@ def main() -> None:
             attention_proxy(args.reps, shapes)
         elif name == "attention_bf16":
             attention_bf16(args.reps, shapes)
+        elif name == "attention_kernel_parts":
+            attention_kernel_parts(args.reps, shapes)
         elif name == "attention_parts":
             attention_parts(args.reps, shapes)
         elif name == "op_chain":
