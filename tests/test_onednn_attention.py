@@ -273,15 +273,22 @@ def test_compile_and_export_see_sdpa_at_long_lengths(counted):
     torch.testing.assert_close(compiled[valid], eager[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_model_uses_it_and_stays_close_to_float32(counted):
+def float32_then_bf16(between=lambda: None):
+    """A 600-token padded batch through a tiny model in float32, then (after `between()`) in bf16: the model and
+    both last hidden states at the valid positions (bf16 as float32)."""
     torch.manual_seed(0)
     model = rr.RoFormerRopeModel(tiny_config()).eval()
     batch = padded_batch(seq_len=600)
     valid = batch["attention_mask"].bool()
     with torch.no_grad():
         reference = model(**batch).last_hidden_state[valid]
-        counted.clear()
+        between()
         low = model.to(torch.bfloat16)(**batch).last_hidden_state[valid].float()
+    return model, reference, low
+
+
+def test_bf16_model_uses_it_and_stays_close_to_float32(counted):
+    model, reference, low = float32_then_bf16(counted.clear)
     assert len(counted) == model.config.num_hidden_layers
     assert (low - reference).abs().max().item() < 0.1  # bf16 weights and activations, 2 layers
     assert torch.nn.functional.cosine_similarity(low, reference, dim=-1).min().item() > 0.999
@@ -364,13 +371,7 @@ def test_the_model_runs_bf16_pv_where_chosen_and_float32_models_never(monkeypatc
         return oa.onednn_attention_forward(*args, **kwargs)
 
     monkeypatch.setattr(attention, "onednn_attention_forward", spy)
-    torch.manual_seed(0)
-    model = rr.RoFormerRopeModel(tiny_config()).eval()
-    batch = padded_batch(seq_len=600)
-    valid = batch["attention_mask"].bool()
-    with torch.no_grad():
-        reference = model(**batch).last_hidden_state[valid]
-        low = model.to(torch.bfloat16)(**batch).last_hidden_state[valid].float()
+    model, reference, low = float32_then_bf16()
     layers = model.config.num_hidden_layers
     assert seen == [(torch.float32, False)] * layers + [(torch.bfloat16, True)] * layers
     assert torch.nn.functional.cosine_similarity(low, reference, dim=-1).min().item() > 0.999
