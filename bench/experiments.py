@@ -5,7 +5,7 @@
 
 Experiments
 - attention_proxy: ours / SDPA as the dispatcher times them, on the attention decision's proxy (old: one head ×
-  256 queries; current: a query block, ≥ 2²⁰ scores) vs on the whole layer, float32 and bf16: whether it stands for it.
+  256 queries; current: a query block, ~2²⁰ scores) vs on the whole layer, float32 and bf16: whether it stands for it.
 - attention_bf16: bf16 attention per layer, time and error against a float64 oracle: SDPA, the built-in's bf16
   eager arithmetic, our float32-attended kernel, and bf16-GEMM variants with float32 softmax statistics.
 - attention_kernel_parts: our attention kernel per layer vs the sum of its parts timed alone at its block shapes
@@ -281,10 +281,10 @@ def attention_rate(reps: int, shapes) -> None:
 def attention_proxy(reps: int, shapes) -> None:
     """How well the attention decision's proxy stands for a whole layer: ours / SDPA as the dispatcher times it
     (`calibration._time_interleaved`: the two alternating, best of its rounds) on the first version's proxy (one
-    head, 256 queries), on the current one (`_proxy`: a query block, ≥ 2²⁰ scores, whole heads where they fit) and
-    on the whole layer (B×12 heads of 64), float32 and bf16, inputs as the model passes them (fused-projection
-    views); each measured `reps` times afresh (median, and the range). Below 1 our kernel is faster: a proxy decides right when
-    its ratio falls on the layer's side of 1."""
+    head, 256 queries), on the current one (`_proxy`: a query block, about 2²⁰ scores, whole heads where they
+    fit) and on the whole layer (B×12 heads of 64), float32 and bf16, inputs as the model passes them
+    (fused-projection views); each measured `reps` times afresh (median, and the range). Below 1 our kernel is
+    faster: a proxy decides right when its ratio falls on the layer's side of 1."""
     import statistics
 
     from modeling_roformer_rope.onednn_attention_roformer_rope import _proxy, onednn_attention

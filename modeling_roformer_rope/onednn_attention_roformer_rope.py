@@ -16,7 +16,9 @@ log₂e folds into the query scaling for free.
 `bench/attention_onednn.py` times it against SDPA (1.7–2.0× faster at 1×4096 on a 2-core AVX-512 EPYC).
 
 bf16/fp16 inputs are converted per head and the attention runs in float32 (more accurate than SDPA's
-reduced-precision kernel, and ~1.8× faster than it at 1×4096 here); the output has the input dtype.
+reduced-precision kernel, and ~1.8× faster than it at 1×4096 here); the output has the input dtype. With
+`bf16_pv` (bf16 on a CPU with bf16 instructions, where measured faster) the normalised weights are rounded to
+bf16 for a bf16 PV GEMM instead, as SDPA rounds its weights.
 
 Scope: inference only (no autograd), on CPU, no dropout, and long enough keys that the Python
 loop over (batch, head, query block) is amortised; `onednn_attention_applies` says when, and the model
@@ -26,6 +28,8 @@ give zeros.
 
 Shapes: B batch, H heads, T queries, S keys, D head size, Q a block of queries.
 """
+
+import math
 
 import torch
 from torch import nn
@@ -64,7 +68,7 @@ def onednn_attention_path(
     )
     if not applicable:
         return None
-    if mode.onednn_attention == "on":
+    if mode.onednn_attention == "on" and forced("attention") is None:  # a path named by ROFORMER_ROPE_FORCE wins
         return "onednn"
     path = _faster_here(query, key, value)
     return None if path == "sdpa" else path
@@ -94,11 +98,11 @@ def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     )
 
 
-# Scores a proxy holds at least (queries × keys × heads). One head's 256 queries (the first version) was too little
+# Scores a proxy aims at (queries × keys × heads; whole heads are rounded down to at least one). One head's 256 queries (the first version) was too little
 # to stand for the whole problem: at 4×512 on a Zen 5 EPYC it timed our kernel 3% slower than SDPA, which was 25%
 # slower on the whole layer (per-call costs weigh more on a small slice), and at 4096 keys a 256-query slice timed
 # the bf16 PV GEMM on half the rows the kernel gives it. So the proxy holds one whole query block of the kernel and
-# ≥ 2²⁰ scores (`python bench/experiments.py --only attention_proxy`).
+# about 2²⁰ scores (`python bench/experiments.py --only attention_proxy`).
 PROXY_SCORES = 1 << 20
 
 
@@ -246,14 +250,19 @@ def onednn_attention(
                 attention_mask.isinf(), attention_mask, (attention_mask * LOG2E).clamp_min(low)
             )
         attention_mask = attention_mask.expand(B, H, T, S)  # a view: no copy of broadcast dimensions
-    # Written in the input's dtype by each block's division (computed in float32, rounded once on the store).
+    # In the input's dtype: written by each block's division (computed in float32, rounded once on the store), or
+    # for `bf16_pv` by the bf16 PV GEMM.
     out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
     # Scores come out in base-2 units. A one-element float32 tensor (not a Python number) makes q · scale one
     # float32 op for bf16/fp16 queries too: type promotion reads them as float32 (a number would keep their dtype).
     q_scale = torch.tensor([scaling * LOG2E], dtype=torch.float32, device=query.device)
     # max |v| over every head bounds |numerator| / denominator (`_well_scaled`): one reduction per call
-    v_min, v_max = torch.aminmax(value) if value.numel() else (torch.zeros(()), torch.zeros(()))
-    value_bound = max(-v_min.item(), v_max.item())
+    value_bound = 1.0  # bf16 PV normalises its weights first: |output| ≤ max |v| whatever the values
+    if not bf16_pv and value.numel():
+        v_min, v_max = torch.aminmax(value)
+        value_bound = max(-v_min.item(), v_max.item())
+        if not math.isfinite(value_bound):  # NaN/inf values (which max() may hide): every block the safe way
+            value_bound = math.inf
     # the bf16 weights of every block go to one buffer (fewer fresh pages for the kernel to fault in)
     low_weights = torch.empty(min(block, T) * S, dtype=torch.bfloat16) if bf16_pv else None  # (Q·S,)
     # Operands are copied per head (and queries per block), never per batch row: small copies reuse
@@ -266,7 +275,8 @@ def onednn_attention(
             for start in range(0, T, block):
                 stop = min(start + block, T)
                 keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
-                q_blk = torch.mul(query[b, h, start:stop], q_scale)  # (Q, D) contiguous float32
+                q_blk = query[b, h, start:stop]  # (Q, D)
+                q_blk = torch.mul(q_blk if q_blk.dtype != torch.float64 else q_blk.float(), q_scale)  # float32
                 # Row slice of k: contiguous. Column slice of vᵀ: strided, and oneDNN's GEMM on a strided
                 # "weight" falls to a kernel ~1000× slower (measured: 1 s vs 1 ms at 256 × 1024 × 64), so a
                 # causal block's (Dv, keys) values are copied (keys < S only happens with is_causal).
@@ -279,8 +289,7 @@ def onednn_attention(
                 # no weight overflows and each row's largest weight stays far from underflow.
                 weights = _masked_scores(q_blk, k_h, mask, causal_start).exp2_()  # (Q, keys)
                 denom = weights.sum(dim=-1, keepdim=True)  # (Q, 1)
-                # normalised bf16 weights are ≤ 1: then |output| ≤ max |v| whatever the values
-                if not _well_scaled(denom, 1.0 if bf16_pv else value_bound):  # extreme scores or a fully masked row
+                if not _well_scaled(denom, value_bound):  # extreme scores or values, or a fully masked row
                     scores = _masked_scores(q_blk, k_h, mask, causal_start)
                     row_max = scores.amax(dim=-1, keepdim=True)  # (Q, 1)
                     row_max.masked_fill_(row_max == float("-inf"), 0.0)  # fully masked row: weights → 0

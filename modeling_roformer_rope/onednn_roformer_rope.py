@@ -45,7 +45,7 @@ from transformers.activations import GELUActivation
 
 from .calibration_roformer_rope import choose, force_default, forced, row_bucket
 from .prepack_roformer_rope import available as packing_available
-from .prepack_roformer_rope import forget, make_pack, packed_linear, packed_weight, proxy_gemm
+from .prepack_roformer_rope import forget, packed_linear, packed_weight, proxy_gemm, proxy_pack
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def _packing_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None 
 
 def _onednn_packing_applies(x: torch.Tensor, weight: torch.Tensor, onednn: bool) -> bool:
     """oneDNN's pack: where oneDNN's GEMM applies (`onednn`: `_onednn_applies`) to a plain 2-D weight of x's width,
-    any row count, packing not switched off, not a ZeRO-3 parameter."""
+    any row count, packing not switched off, not a ZeRO-3 parameter, not under autocast."""
     return (
         onednn
         and settings.pack != "off"
@@ -341,6 +341,7 @@ def _onednn_packing_applies(x: torch.Tensor, weight: torch.Tensor, onednn: bool)
         and x.shape[-1] == weight.shape[1]
         and weight.is_contiguous()
         and not hasattr(weight, "ds_id")
+        and not torch.is_autocast_enabled("cpu")  # autocast inference passes `onednn` itself: its weights are casts
     )
 
 
@@ -542,17 +543,13 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
         paths = {"fused": fused, "separate": separate}
         if dnn:
-            pack = []  # made on the untimed warm-up call
-
-            def fused_packed():
-                if not pack:
-                    pack.append(make_pack(weight.detach(), "onednn"))
-                _LINEAR_POINTWISE(proxy, pack[0], bias, "gelu", [], "none")
-
-            paths["fused_packed"] = fused_packed
+            pack = proxy_pack(weight.detach(), "onednn")  # made on the untimed warm-up call
+            paths["fused_packed"] = lambda: _LINEAR_POINTWISE(proxy, pack(), bias, "gelu", [], "none")
         return paths
 
-    return choose(key, candidates)
+    choice = choose(key, candidates)
+    # a class decided on a packable weight may meet one that is not (a ZeRO-3 or non-contiguous weight): no pack there
+    return "fused" if choice == "fused_packed" and not dnn else choice
 
 
 def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -> torch.Tensor:

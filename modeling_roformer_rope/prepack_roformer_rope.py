@@ -158,22 +158,31 @@ def make_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> torch
     return _ops(kind)[0](weight, rows) if kind == "mkl" else _ops(kind)[0](weight)
 
 
-def proxy_gemm(
-    proxy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str = "mkl"
-) -> Callable[[], torch.Tensor]:
-    """A calibration candidate: the packed GEMM of `kind` on `proxy` (R, I), packed on its first call (the warm-up
-    call, which `calibration_roformer_rope.choose` does not time), like a layer that runs again and again."""
-    rows, made = proxy.shape[0], []
-    compute = _ops(kind)[1]
+def proxy_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> Callable[[], torch.Tensor]:
+    """For calibration candidates: a callable returning a pack of `weight` (MKL: for `rows` rows), made on its first
+    call (the warm-up call, which `calibration_roformer_rope.choose` does not time), and making on every call the
+    checks `packed_weight` makes before it uses a pack, so that they are timed too."""
+    made = []
 
-    def run() -> torch.Tensor:
+    def get() -> torch.Tensor:
         if not made:
             made.append((make_pack(weight, kind, rows), _sample(weight).clone()))
         packed, sample = made[0]
-        _state(weight), torch.equal(_sample(weight), sample)  # the checks `packed_linear` makes on each call, timed too
-        return compute(proxy, packed, weight, bias, rows)  # (R, O)
+        _state(weight), torch.equal(_sample(weight), sample)
+        return packed
 
-    return run
+    return get
 
 
-__all__ = ["KINDS", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight", "proxy_gemm"]
+def proxy_gemm(
+    proxy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str = "mkl"
+) -> Callable[[], torch.Tensor]:
+    """A calibration candidate: the packed GEMM of `kind` on `proxy` (R, I), like a layer that runs again and again
+    (`proxy_pack`)."""
+    rows, compute = proxy.shape[0], _ops(kind)[1]
+    pack = proxy_pack(weight, kind, rows)
+    return lambda: compute(proxy, pack(), weight, bias, rows)  # (R, O)
+
+
+__all__ = ["KINDS", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight", "proxy_gemm",
+           "proxy_pack"]

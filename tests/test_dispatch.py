@@ -303,7 +303,7 @@ def test_environment_fixes_any_decision():
      (1, 12, 60, 20000, 1, 60), (1, 12, 300, 30000, 1, 69), (1, 12, 8192, 8192, 1, 256), (1, 12, 3000, 700, 1, 1497)],
 )  # fmt: skip
 def test_attention_proxy_holds_a_query_block_and_about_a_million_scores(B, H, T, S, heads, rows):
-    """One whole query block of the kernel (the GEMM shapes it really runs) and at least PROXY_SCORES scores, as
+    """One whole query block of the kernel (the GEMM shapes it really runs) and about PROXY_SCORES scores, as
     whole heads of the first batch row while they fit (the decision then sees the layer's per-head costs), else
     one head's first queries; never more than the problem has."""
     q = torch.randn(B, H, T, 8)

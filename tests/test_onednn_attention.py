@@ -375,3 +375,34 @@ def test_the_model_runs_bf16_pv_where_chosen_and_float32_models_never(monkeypatc
     layers = model.config.num_hidden_layers
     assert seen == [(torch.float32, False)] * layers + [(torch.bfloat16, True)] * layers
     assert torch.nn.functional.cosine_similarity(low, reference, dim=-1).min().item() > 0.999
+
+
+def test_nan_values_in_one_batch_row_leave_the_others_exact():
+    """The value bound is taken once per call: a NaN in one row's values must send every block the safe way rather
+    than hide the bound (max() with NaN), or another row's large values overflow the unsubtracted weights."""
+    q = torch.full((2, 1, 512, 16), 15.6)  # every score ≈ 90 in base-2 units: denominators ≈ 2⁹⁹, in range
+    k = torch.ones(2, 1, 512, 16)
+    v = torch.full((2, 1, 512, 16), 1e30)  # large, finite
+    v[0, 0, 7, 0] = float("nan")  # in batch row 0 only
+    out = oa.onednn_attention(q, k, v)
+    assert out[1].isfinite().all()
+    torch.testing.assert_close(out[1], torch.full_like(out[1], 1e30), atol=0, rtol=1e-5)  # the mean of equal values
+
+
+def test_float64_inputs_are_attended_in_float32_when_called_directly():
+    """The model never routes float64 here, but the public function takes it (float32 inside, float64 out)."""
+    q, k, v = (t.double() for t in qkv_views(1, 520))
+    out = oa.onednn_attention(q, k, v)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, oracle(q, k, v).double(), atol=2e-6, rtol=1e-5)
+
+
+def test_a_forced_attention_path_wins_over_the_on_switch(monkeypatch):
+    q, k, v = qkv_views(1, 600)
+    monkeypatch.setenv("ROFORMER_ROPE_ONEDNN_ATTENTION", "1")
+    with torch.no_grad():
+        assert oa.onednn_attention_path(q, k, None, 0.0, v) == "onednn"  # the fixture forces "onednn"
+        calibration.force("attention", "sdpa")
+        assert oa.onednn_attention_path(q, k, None, 0.0, v) is None
+        calibration.force("attention", None)
+        assert oa.onednn_attention_path(q, k, None, 0.0, v) == "onednn"  # nothing forced: the switch says on

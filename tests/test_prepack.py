@@ -290,3 +290,43 @@ def test_gelu_epilogue_on_the_onednn_pack(onednn_packing):
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     finally:
         calibration.force("linear_gelu", None)
+
+
+@torch.no_grad()
+def test_a_measured_fused_packed_class_never_packs_a_weight_that_cannot_be(onednn_packing):
+    """A `linear_gelu` class decided "fused_packed" on one weight may meet another of the same shapes that must not
+    be packed (a DeepSpeed ZeRO-3 parameter): that one runs the fused GEMM unpacked."""
+    from transformers.activations import ACT2FN
+
+    calibration.force("linear_gelu", None)
+    producer = fast.RoFormerRopeLinear(48, 96)
+    x = torch.randn(2, 70, 48)
+    key = ("linear_gelu", "torch.float32", 48, 96, 256)
+    calibration._choices[key] = "fused_packed"  # as if measured on a packable weight
+    try:
+        zero3 = fast.RoFormerRopeLinear(48, 96)
+        zero3.weight.ds_id = 3
+        for _ in range(3):
+            got = fast.linear_activation(x, zero3, ACT2FN["gelu"])
+        torch.testing.assert_close(got, F.gelu(F.linear(x, zero3.weight, zero3.bias)), atol=1e-5, rtol=1e-5)
+        assert prepack.pack_kinds(zero3.weight) == []
+        for _ in range(3):
+            fast.linear_activation(x, producer, ACT2FN["gelu"])
+        assert prepack.pack_kinds(producer.weight) == ["onednn"]
+    finally:
+        calibration._choices.pop(key, None)
+
+
+@torch.no_grad()
+def test_autocast_inference_never_packs(onednn_packing):
+    """Under bf16 autocast the linears compute on casts of their weights (a bf16 model's cast is the weight itself):
+    no pack is made for either, as README says."""
+    if not fast._NATIVE[torch.bfloat16]:
+        pytest.skip("bf16 autocast takes oneDNN's path only with bf16 instructions")
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = fast.RoFormerRopeLinear(48, 40).to(dtype)
+        x = torch.randn(16, 48, dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(3):
+                layer(x)
+        assert prepack.pack_kinds(layer.weight) == [] and onednn_packing == []
