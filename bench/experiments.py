@@ -382,7 +382,7 @@ def attention_kernel_parts(reps: int, shapes) -> None:
     """Our attention kernel (one layer, 12 heads of 64, fused-projection views) against the sum of its parts, each
     timed alone at the kernel's own block shapes with its operands in place: per head and query block the float32
     QKᵀ GEMM on oneDNN, the exp2 and the row sums of the scores, the PV GEMM (float32, or bf16 for `bf16_pv`). The
-    parts are what any kernel of this design pays; kernel / parts is what the Python loop, the per-head operand
+    parts are what any kernel of this design pays; kernel / parts is what the Python loop, the per-head-group operand
     copies and the divisions add."""
     print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
     print("| B×T | inputs | QKᵀ GEMMs ms (GFLOP/s) | exp2 + sums ms | PV GEMMs ms (GFLOP/s) | parts ms | kernel ms "

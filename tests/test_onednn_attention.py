@@ -96,10 +96,33 @@ def test_extreme_scores_take_the_max_subtracting_path(block, monkeypatch):
     bias[:, 1, 300:] = -200.0  # head 1: every weight of these rows underflows without the maximum
     checks = []
     original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denom, bound: checks.append(original(denom, bound)) or checks[-1])
+    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
     out = oa.onednn_attention(q, k, v, bias, block=block)
     assert out.isfinite().all() and checks.count(False) >= 2
     torch.testing.assert_close(out, oracle(q, k, v, bias), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bf16_pv", [False, True])
+def test_head_groups_redo_only_the_heads_that_fail_the_check(bf16_pv, monkeypatch):
+    """Operands are prepared for groups of heads (GROUP_FLOATS), row sums checked once per group: with groups of two
+    over five heads (the last group smaller), only head 3, whose scores overflow 2^s', takes the safe path, and every
+    head matches the oracle."""
+    if bf16_pv and not oa._NATIVE[torch.bfloat16]:
+        pytest.skip("bf16 PV needs a CPU with bf16 instructions")
+    q, k, v = qkv_views(2, 300, H=5)
+    q = q * torch.tensor([1.0, 1.0, 1.0, 40.0, 1.0]).view(1, 5, 1, 1)  # head 3: scores ~ ±600
+    monkeypatch.setattr(oa, "GROUP_FLOATS", 2 * 300 * 16)
+    checks = []
+    original = oa._well_scaled
+    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
+    if bf16_pv:
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+    out = oa.onednn_attention(q, k, v, block=128, bf16_pv=bf16_pv)
+    assert checks == [True, True, True, False, True] * 2  # per batch row: groups (0, 1), (2, 3), (4,)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if bf16_pv else dict(atol=2e-4, rtol=1e-4)  # scores ±600: float32's ulp
+    torch.testing.assert_close(out.float(), oracle(q, k, v), **tolerance)
+    monkeypatch.setattr(oa, "GROUP_FLOATS", 1)  # one head per group: the same arithmetic, bit for bit
+    torch.testing.assert_close(oa.onednn_attention(q, k, v, block=128, bf16_pv=bf16_pv), out, atol=0, rtol=0)
 
 
 def test_huge_values_take_the_safe_path(monkeypatch):
@@ -109,7 +132,7 @@ def test_huge_values_take_the_safe_path(monkeypatch):
     v = v * 3e34
     checks = []
     original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denom, bound: checks.append(original(denom, bound)) or checks[-1])
+    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
     out = oa.onednn_attention(q, k, v)
     assert False in checks and out.isfinite().all()
     torch.testing.assert_close(out / 3e34, oracle(q, k, v) / 3e34, atol=2e-6, rtol=1e-5)
@@ -119,7 +142,7 @@ def test_moderate_scores_skip_the_max_subtraction(monkeypatch):
     q, k, v = qkv_views(1, 600)
     checks = []
     original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denom, bound: checks.append(original(denom, bound)) or checks[-1])
+    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
     out = oa.onednn_attention(q, k, v, block=128)
     assert checks and all(checks)
     torch.testing.assert_close(out, oracle(q, k, v), atol=2e-6, rtol=1e-5)
