@@ -9,13 +9,13 @@ oneDNN GEMM; the normalisation is applied to the (block, D) output instead of th
     Σᵢ softmax(s)ᵢ vᵢ = (Σᵢ 2^(s'ᵢ − m') vᵢ) / Σᵢ 2^(s'ᵢ − m'),   s' = s·log₂e,  m' = maxᵢ s'ᵢ
 
 This is the softmax exactly: eˣ = 2^(x·log₂e), and subtracting the row maximum changes nothing but the
-floating-point range (blocks whose weights fit the range without it skip it, see `_well_scaled`). Base 2
+floating-point range (query blocks whose weights fit the range without it skip it, see `_well_scaled`). Base 2
 because `exp2` runs 3–4× faster than `exp` in PyTorch's CPU kernels at the same ~1 ulp accuracy, and
 log₂e folds into the query scaling for free.
 
 `bench/attention_onednn.py` times it against SDPA (1.7–2.0× faster at 1×4096 on a 2-core AVX-512 EPYC).
 
-bf16/fp16 inputs are converted per head and the attention runs in float32 (more accurate than SDPA's
+bf16/fp16 inputs are converted per group of heads and the attention runs in float32 (more accurate than SDPA's
 reduced-precision kernel, and ~1.8× faster than it at 1×4096 here); the output has the input dtype. With
 `bf16_pv` (bf16 on a CPU with bf16 instructions, where measured faster) the normalised weights are rounded to
 bf16 for a bf16 PV GEMM instead, as SDPA rounds its weights.
@@ -42,8 +42,8 @@ MIN_KEYS = settings.onednn_attention_min_keys
 # A block of queries gets ≤ 2²¹ scores (8 MiB): the score block stays in cache between its passes
 # (`bench/attention_onednn.py --blocks` sweeps it: larger blocks feed the GEMMs better until they spill).
 SCORES_PER_BLOCK = 1 << 21
-# Heads whose operands are prepared together: ≤ 2¹⁹ float32 keys (2 MiB) per group (all 12 heads of 64 at 512 keys,
-# two at 4096).
+# Heads whose operands are prepared together: ≤ 2¹⁹ float32 keys, and as many queries, per group (2 MiB each: all 12
+# heads of 64 at 512 tokens, two at 2048, one from 4096).
 GROUP_FLOATS = 1 << 19
 MAX_BLOCK = 1024
 LOG2E = 1.4426950408889634
@@ -192,15 +192,16 @@ def _masked_scores(
     return scores
 
 
-def _well_scaled(denoms: torch.Tensor, value_bound: float) -> list[bool]:
-    """Per head: whether weights computed without the max subtraction give the softmax to float32 precision, from
-    the head's row sums `denoms` (g, T, 1).
+def _well_scaled(denoms: torch.Tensor, value_bound: float, block: int) -> list[list[bool]]:
+    """Per head and query block: whether weights computed without the max subtraction give the softmax to float32
+    precision, from the row sums `denoms` (g, n·block, 1) of g heads (rows past the last query hold 1: neutral).
 
     Overflow: every weight ≤ denom ≤ 2¹⁰⁰, and |numerator| ≤ denom · max|v| ≤ 2¹²⁰ stays finite. Underflow:
     denom ≥ 2⁻⁶⁰, so the weights lost to it (< 2⁻¹²⁶ each, at most S of them) are < S·2⁻⁶⁶ of the row
     total, far below float32's 2⁻²⁴. (A NaN anywhere fails the comparisons and takes the safe path.)
+    One reduction and one host read for all of them.
     """
-    low, high = torch.aminmax(denoms.flatten(1), dim=1)  # (g,) each
+    low, high = torch.aminmax(denoms.view(denoms.shape[0], -1, block), dim=2)  # (g, n) each
     fine = (low >= 2.0**-60) & (high <= min(2.0**100, 2.0**120 / max(value_bound, 1.0)))  # NaN compares False
     return fine.tolist()
 
@@ -258,6 +259,8 @@ def onednn_attention(
     # In the input's dtype: written by each block's division (computed in float32, rounded once on the store), or
     # for `bf16_pv` by the bf16 PV GEMM.
     out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
+    if T == 0:
+        return out
     # Scores come out in base-2 units. A one-element float32 tensor (not a Python number) makes q · scale one
     # float32 op for bf16/fp16 queries too: type promotion reads them as float32 (a number would keep their dtype).
     q_scale = torch.tensor([scaling * LOG2E], dtype=torch.float32, device=query.device)
@@ -271,59 +274,64 @@ def onednn_attention(
     # the bf16 weights of every block go to one buffer (fewer fresh pages for the kernel to fault in)
     low_weights = torch.empty(min(block, T) * S, dtype=torch.bfloat16) if bf16_pv else None  # (Q·S,)
     # Operands are prepared for a group of heads at once (one conversion, one scaling, one transpose each instead of
-    # one per head: ~15% of the kernel at 4×512, `python bench/experiments.py --only attention_kernel_parts`), a
-    # group's float32 keys ≤ GROUP_FLOATS: small copies reuse freed heap memory, where (H, S, D)-sized ones at long
-    # lengths would be fresh pages for the kernel to fault in.
-    group = max(1, min(H, GROUP_FLOATS // max(1, S * D)))
-    denoms = torch.empty(group, T, 1)  # (g, T, 1): a group's row sums, checked once per group (`_well_scaled`)
+    # one per head: ~15% of the kernel at 4×512, `python bench/experiments.py --only attention_kernel_parts`): a
+    # group's float32 keys and queries ≤ GROUP_FLOATS each, or one head where a head alone holds more. Small copies
+    # reuse freed heap memory, where (H, S, D)-sized ones at long lengths would be fresh pages to fault in.
+    group = max(1, min(H, GROUP_FLOATS // max(1, max(S, T) * D)))
+    floats = dict(dtype=torch.float32, device=query.device)  # explicit: the default dtype may be another
+    blocks = -(-T // block)  # query blocks per head
+    # A group's row sums (g, blocks·block, 1), checked once per group (`_well_scaled`); rows past T stay 1 (pass).
+    denoms = torch.ones(group, blocks * block, 1, **floats)
 
-    def attend(hh: int, h: int, safe: bool) -> None:
-        """Head h (hh within its group) of batch row b, every query block, into `out`; row sums into denoms[hh]."""
-        for start in range(0, T, block):
-            stop = min(start + block, T)
-            keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
-            # Row slice of k: contiguous. Column slice of vᵀ: strided, and oneDNN's GEMM on a strided "weight" falls
-            # to a kernel ~1000× slower (measured: 1 s vs 1 ms at 256 × 1024 × 64), so a causal block's (Dv, keys)
-            # values are copied (keys < S only happens with is_causal).
-            q_blk = q_g[hh, start:stop]  # (Q, D) float32, carries scaling·log₂e
-            k_h = k_g[hh, :keys]  # (keys, D)
-            v_t = v_g[hh] if keys == S else v_g[hh, :, :keys].contiguous()  # (Dv, keys)
-            mask = None if attention_mask is None else attention_mask[b, h, start:stop]  # (Q, S)
-            causal_start = start if is_causal else None
-            denom = denoms[hh, start:stop]  # (Q, 1)
-            if not safe:
-                # Without subtracting the row maxima (two passes fewer over the scores): the factor 2^(−m') cancels
-                # between numerator and denominator, so this IS the softmax whenever no weight overflows and each
-                # row's largest weight stays far from underflow; the group's check afterwards redoes the head if not.
-                weights = _masked_scores(q_blk, k_h, mask, causal_start).exp2_()  # (Q, keys)
-                torch.sum(weights, dim=-1, keepdim=True, out=denom)
-            else:  # extreme scores or values, or a fully masked row
-                scores = _masked_scores(q_blk, k_h, mask, causal_start)
-                row_max = scores.amax(dim=-1, keepdim=True)  # (Q, 1)
-                row_max.masked_fill_(row_max == float("-inf"), 0.0)  # fully masked row: weights → 0
-                weights = scores.sub_(row_max).exp2_()  # largest weight of a row is 1
-                torch.sum(weights, dim=-1, keepdim=True, out=denom).clamp_min_(tiny)  # ≥ 1 unless fully masked
-            if bf16_pv:
-                low = low_weights[: (stop - start) * keys].view(stop - start, keys)  # (Q, keys) bf16, dense
-                low.copy_(weights.mul_(denom.reciprocal()))  # normalised, rows sum to ~1, rounded once
-                out[b, start:stop, h] = mm(low, v_t, None, "none", [], "")  # (Q, Dv) bf16
-            else:
-                torch.div(mm(weights, v_t, None, "none", [], ""), denom, out=out[b, start:stop, h])  # (Q, Dv)
+    def attend(hh: int, h: int, start: int, safe: bool) -> None:
+        """Query block `start` of head h (hh within its group) of batch row b into `out`; row sums into denoms[hh]."""
+        stop = min(start + block, T)
+        keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
+        # Row slice of k: contiguous. Column slice of vᵀ: strided, and oneDNN's GEMM on a strided "weight" falls
+        # to a kernel ~1000× slower (measured: 1 s vs 1 ms at 256 × 1024 × 64), so a causal block's (Dv, keys)
+        # values are copied (keys < S only happens with is_causal).
+        q_blk = q_g[hh, start:stop]  # (Q, D) float32, carries scaling·log₂e
+        k_h = k_g[hh, :keys]  # (keys, D)
+        v_t = v_g[hh] if keys == S else v_g[hh, :, :keys].contiguous()  # (Dv, keys)
+        mask = None if attention_mask is None else attention_mask[b, h, start:stop]  # (Q, S)
+        causal_start = start if is_causal else None
+        denom = denoms[hh, start:stop]  # (Q, 1)
+        if not safe:
+            # Without subtracting the row maxima (two passes fewer over the scores): the factor 2^(−m') cancels
+            # between numerator and denominator, so this IS the softmax whenever no weight overflows and each
+            # row's largest weight stays far from underflow; the group's check afterwards redoes the block if not.
+            weights = _masked_scores(q_blk, k_h, mask, causal_start).exp2_()  # (Q, keys)
+            torch.sum(weights, dim=-1, keepdim=True, out=denom)
+        else:  # extreme scores or values, or a fully masked row
+            scores = _masked_scores(q_blk, k_h, mask, causal_start)
+            row_max = scores.amax(dim=-1, keepdim=True)  # (Q, 1)
+            row_max.masked_fill_(row_max == float("-inf"), 0.0)  # fully masked row: weights → 0
+            weights = scores.sub_(row_max).exp2_()  # largest weight of a row is 1
+            torch.sum(weights, dim=-1, keepdim=True, out=denom).clamp_min_(tiny)  # ≥ 1 unless fully masked
+        if bf16_pv:
+            low = low_weights[: (stop - start) * keys].view(stop - start, keys)  # (Q, keys) bf16, dense
+            low.copy_(weights.mul_(denom.reciprocal()))  # normalised, rows sum to ~1, rounded once
+            out[b, start:stop, h] = mm(low, v_t, None, "none", [], "")  # (Q, Dv) bf16
+        else:
+            torch.div(mm(weights, v_t, None, "none", [], ""), denom, out=out[b, start:stop, h])  # (Q, Dv)
 
     for b in range(B):
         for h0 in range(0, H, group):
             g = min(group, H - h0)
-            k_g = torch.empty(g, S, D).copy_(key[b, h0 : h0 + g])  # (g, S, D) float32, compact
+            k_g = torch.empty(g, S, D, **floats).copy_(key[b, h0 : h0 + g])  # (g, S, D) float32, compact
             # vᵀ: oneDNN's "weight" layout, in bf16 for `bf16_pv`
-            v_g = torch.empty(g, Dv, S, dtype=value.dtype if bf16_pv else torch.float32)  # (g, Dv, S)
+            v_g = torch.empty(g, Dv, S, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
             v_g.copy_(value[b, h0 : h0 + g].transpose(1, 2))
             q = query[b, h0 : h0 + g]  # (g, T, D)
-            q_g = torch.mul(q if q.dtype != torch.float64 else q.float(), q_scale, out=torch.empty(g, T, D))
+            q_g = torch.empty(g, T, D, **floats)  # (g, T, D): scaled queries, float32 (q_scale promotes bf16/fp16)
+            torch.mul(q if q.dtype != torch.float64 else q.float(), q_scale, out=q_g)
             for hh in range(g):
-                attend(hh, h0 + hh, safe=False)
-            for hh, fine in enumerate(_well_scaled(denoms[:g], value_bound)):
-                if not fine:
-                    attend(hh, h0 + hh, safe=True)
+                for start in range(0, T, block):
+                    attend(hh, h0 + hh, start, safe=False)
+            for hh, fine in enumerate(_well_scaled(denoms[:g], value_bound, block)):
+                for i, ok in enumerate(fine):
+                    if not ok:  # extreme scores or values, or a fully masked row: this block the safe way
+                        attend(hh, h0 + hh, i * block, safe=True)
     return out  # (B, T, H, Dv)
 
 

@@ -46,6 +46,20 @@ def qkv_views(B, T, H=3, D=16, S=None, seed=0):
     return q, kv[:, :, 0], kv[:, :, 1]
 
 
+def spy_on_checks(monkeypatch) -> list[bool]:
+    """Every (head, query block) verdict of `_well_scaled` from now on, in order: False = redone the safe way."""
+    checks = []
+    original = oa._well_scaled
+
+    def spy(denoms, bound, block):
+        verdicts = original(denoms, bound, block)  # per head of the group, per query block
+        checks.extend(ok for head in verdicts for ok in head)
+        return verdicts
+
+    monkeypatch.setattr(oa, "_well_scaled", spy)
+    return checks
+
+
 @pytest.mark.parametrize("B, T, S", [(1, 700, 700), (2, 129, 300), (1, 64, 1100)])
 def test_matches_float64_oracle_without_mask(B, T, S):
     q, k, v = qkv_views(B, T, S=S)
@@ -89,40 +103,64 @@ def test_causal_is_upper_left_like_sdpa(T, S):
 @pytest.mark.parametrize("block", [64, 100, None])
 def test_extreme_scores_take_the_max_subtracting_path(block, monkeypatch):
     """Scores far beyond exp's float32 range (overflow) and rows whose every score is hugely negative
-    (underflow) still give the softmax; a spy checks the safe path really ran for those blocks."""
+    (underflow) still give the softmax; a spy checks the safe path really ran for those query blocks."""
     q, k, v = qkv_views(1, 600, H=2)
     q = q * torch.tensor([40.0, 1.0]).view(1, 2, 1, 1)  # head 0: scores ~ ±600, 2^s' overflows
     bias = torch.zeros(1, 2, 600, 600)
     bias[:, 1, 300:] = -200.0  # head 1: every weight of these rows underflows without the maximum
-    checks = []
-    original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
+    checks = spy_on_checks(monkeypatch)
     out = oa.onednn_attention(q, k, v, bias, block=block)
-    assert out.isfinite().all() and checks.count(False) >= 2
+    starts = range(0, 600, block or 600)  # block=None: one block of all 600 queries
+    head_1 = [start + (block or 600) <= 300 for start in starts]  # blocks reaching query 300 underflow
+    assert out.isfinite().all() and checks == [False] * len(starts) + head_1  # head 0 overflows everywhere
     torch.testing.assert_close(out, oracle(q, k, v, bias), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bf16_pv", [False, True])
-def test_head_groups_redo_only_the_heads_that_fail_the_check(bf16_pv, monkeypatch):
+def test_head_groups_redo_only_the_blocks_that_fail_the_check(bf16_pv, monkeypatch):
     """Operands are prepared for groups of heads (GROUP_FLOATS), row sums checked once per group: with groups of two
-    over five heads (the last group smaller), only head 3, whose scores overflow 2^s', takes the safe path, and every
-    head matches the oracle."""
+    over five heads (the last group smaller) and query blocks of 128 over 300 queries, only the blocks of head 3
+    (scores overflow 2^s' everywhere) and head 1's blocks past query 200 (every weight underflows) take the safe
+    path; every head matches the oracle, bit for bit what one head per group gives."""
     if bf16_pv and not oa._NATIVE[torch.bfloat16]:
         pytest.skip("bf16 PV needs a CPU with bf16 instructions")
     q, k, v = qkv_views(2, 300, H=5)
     q = q * torch.tensor([1.0, 1.0, 1.0, 40.0, 1.0]).view(1, 5, 1, 1)  # head 3: scores ~ ±600
+    bias = torch.zeros(1, 5, 300, 300)
+    bias[:, 1, 200:] = -200.0  # head 1, queries 200+: blocks 1 and 2
     monkeypatch.setattr(oa, "GROUP_FLOATS", 2 * 300 * 16)
-    checks = []
-    original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
+    checks = spy_on_checks(monkeypatch)
     if bf16_pv:
         q, k, v = (t.bfloat16() for t in (q, k, v))
-    out = oa.onednn_attention(q, k, v, block=128, bf16_pv=bf16_pv)
-    assert checks == [True, True, True, False, True] * 2  # per batch row: groups (0, 1), (2, 3), (4,)
+    out = oa.onednn_attention(q, k, v, bias, block=128, bf16_pv=bf16_pv)
+    T, F_ = True, False
+    per_row = [T, T, T] + [T, F_, F_] + [T, T, T] + [F_, F_, F_] + [T, T, T]  # heads 0-4 × 3 blocks
+    assert checks == per_row * 2  # groups (0, 1), (2, 3), (4,) of each batch row
     tolerance = dict(atol=2e-2, rtol=2e-2) if bf16_pv else dict(atol=2e-4, rtol=1e-4)  # scores ±600: float32's ulp
-    torch.testing.assert_close(out.float(), oracle(q, k, v), **tolerance)
+    torch.testing.assert_close(out.float(), oracle(q, k, v, bias), **tolerance)
     monkeypatch.setattr(oa, "GROUP_FLOATS", 1)  # one head per group: the same arithmetic, bit for bit
-    torch.testing.assert_close(oa.onednn_attention(q, k, v, block=128, bf16_pv=bf16_pv), out, atol=0, rtol=0)
+    torch.testing.assert_close(oa.onednn_attention(q, k, v, bias, block=128, bf16_pv=bf16_pv), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_another_default_dtype_changes_nothing(default):
+    """The kernel's float32 buffers name their dtype: a bf16 or float64 default (some bf16 users set it) must not
+    reach oneDNN."""
+    q, k, v = qkv_views(2, 300)
+    expected = oa.onednn_attention(q, k, v, block=128)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        out = oa.onednn_attention(q, k, v, block=128)
+    finally:
+        torch.set_default_dtype(previous)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_no_queries_give_an_empty_output():
+    q, k, v = qkv_views(2, 0, S=300)
+    out = oa.onednn_attention(q, k, v)
+    assert out.shape == (2, 0, 3, 16) and out.dtype == q.dtype
 
 
 def test_huge_values_take_the_safe_path(monkeypatch):
@@ -130,9 +168,7 @@ def test_huge_values_take_the_safe_path(monkeypatch):
     values ~2¹¹⁵ overflow the numerator; the value bound must send those blocks the safe way."""
     q, k, v = qkv_views(1, 600)
     v = v * 3e34
-    checks = []
-    original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
+    checks = spy_on_checks(monkeypatch)
     out = oa.onednn_attention(q, k, v)
     assert False in checks and out.isfinite().all()
     torch.testing.assert_close(out / 3e34, oracle(q, k, v) / 3e34, atol=2e-6, rtol=1e-5)
@@ -140,9 +176,7 @@ def test_huge_values_take_the_safe_path(monkeypatch):
 
 def test_moderate_scores_skip_the_max_subtraction(monkeypatch):
     q, k, v = qkv_views(1, 600)
-    checks = []
-    original = oa._well_scaled
-    monkeypatch.setattr(oa, "_well_scaled", lambda denoms, bound: checks.extend(original(denoms, bound)) or checks[-len(denoms) :])
+    checks = spy_on_checks(monkeypatch)
     out = oa.onednn_attention(q, k, v, block=128)
     assert checks and all(checks)
     torch.testing.assert_close(out, oracle(q, k, v), atol=2e-6, rtol=1e-5)
