@@ -322,9 +322,8 @@ def onednn_attention(
             # vᵀ: oneDNN's "weight" layout, in bf16 for `bf16_pv`
             v_g = torch.empty(g, Dv, S, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
             v_g.copy_(value[b, h0 : h0 + g].transpose(1, 2))
-            q = query[b, h0 : h0 + g]  # (g, T, D)
-            q_g = torch.empty(g, T, D, **floats)  # (g, T, D): scaled queries, float32 (q_scale promotes bf16/fp16)
-            torch.mul(q if q.dtype != torch.float64 else q.float(), q_scale, out=q_g)
+            q_g = torch.empty(g, T, D, **floats)  # (g, T, D) scaled queries: bf16/fp16 promoted, float64 stored, as float32
+            torch.mul(query[b, h0 : h0 + g], q_scale, out=q_g)
             for hh in range(g):
                 for start in range(0, T, block):
                     attend(hh, h0 + hh, start, safe=False)
