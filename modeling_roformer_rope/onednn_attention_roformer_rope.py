@@ -29,8 +29,6 @@ give zeros.
 Shapes: B batch, H heads, T queries, S keys, D head size, Q a block of queries.
 """
 
-import math
-
 import torch
 from torch import nn
 
@@ -192,17 +190,19 @@ def _masked_scores(
     return scores
 
 
-def _well_scaled(denoms: torch.Tensor, value_bound: float, block: int) -> list[list[bool]]:
+def _well_scaled(denoms: torch.Tensor, value_bound: torch.Tensor | float, block: int) -> list[list[bool]]:
     """Per head and query block: whether weights computed without the max subtraction give the softmax to float32
-    precision, from the row sums `denoms` (g, n·block, 1) of g heads (rows past the last query hold 1: neutral).
+    precision, from the row sums `denoms` (g, n·block, 1) of g heads (rows past the last query hold 1: neutral) and
+    `value_bound` ≥ max |v| over their values (a number, or a one-element tensor: read with the rest).
 
     Overflow: every weight ≤ denom ≤ 2¹⁰⁰, and |numerator| ≤ denom · max|v| ≤ 2¹²⁰ stays finite. Underflow:
     denom ≥ 2⁻⁶⁰, so the weights lost to it (< 2⁻¹²⁶ each, at most S of them) are < S·2⁻⁶⁶ of the row
-    total, far below float32's 2⁻²⁴. (A NaN anywhere fails the comparisons and takes the safe path.)
+    total, far below float32's 2⁻²⁴. (A NaN anywhere, or an infinite value, fails the comparisons: the safe path.)
     One reduction and one host read for all of them.
     """
     low, high = torch.aminmax(denoms.view(denoms.shape[0], -1, block), dim=2)  # (g, n) each
-    fine = (low >= 2.0**-60) & (high <= min(2.0**100, 2.0**120 / max(value_bound, 1.0)))  # NaN compares False
+    numerators = high * torch.as_tensor(value_bound, dtype=high.dtype).clamp_min(1.0)  # ≥ max |numerator|; NaN stays
+    fine = (low >= 2.0**-60) & (high <= 2.0**100) & (numerators <= 2.0**120)  # NaN compares False
     return fine.tolist()
 
 
@@ -264,13 +264,6 @@ def onednn_attention(
     # Scores come out in base-2 units. A one-element float32 tensor (not a Python number) makes q · scale one
     # float32 op for bf16/fp16 queries too: type promotion reads them as float32 (a number would keep their dtype).
     q_scale = torch.tensor([scaling * LOG2E], dtype=torch.float32, device=query.device)
-    # max |v| over every head bounds |numerator| / denominator (`_well_scaled`): one reduction per call
-    value_bound = 1.0  # bf16 PV normalises its weights first: |output| ≤ max |v| whatever the values
-    if not bf16_pv and value.numel():
-        v_min, v_max = torch.aminmax(value)
-        value_bound = max(-v_min.item(), v_max.item())
-        if not math.isfinite(value_bound):  # NaN/inf values (which max() may hide): every block the safe way
-            value_bound = math.inf
     # the bf16 weights of every block go to one buffer (fewer fresh pages for the kernel to fault in)
     low_weights = torch.empty(min(block, T) * S, dtype=torch.bfloat16) if bf16_pv else None  # (Q·S,)
     # Operands are prepared for a group of heads at once (one conversion, one scaling, one transpose each instead of
@@ -287,12 +280,13 @@ def onednn_attention(
         """Query block `start` of head h (hh within its group) of batch row b into `out`; row sums into denoms[hh]."""
         stop = min(start + block, T)
         keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
-        # Row slice of k: contiguous. Column slice of vᵀ: strided, and oneDNN's GEMM on a strided "weight" falls
-        # to a kernel ~1000× slower (measured: 1 s vs 1 ms at 256 × 1024 × 64), so a causal block's (Dv, keys)
-        # values are copied (keys < S only happens with is_causal).
+        # oneDNN's "weight" (N, K) must have one unit stride: a weight with both strides > 1 (the model's views
+        # into its fused projection) falls to a kernel ~2000× slower (measured: 200 ms vs 0.1 ms at 512 × 512 × 64).
+        # k_g's rows and the transposed view of v_g's rows (strides (1, Dv): read as its transpose, no copy) have
+        # one, for whole heads and causal row slices alike.
         q_blk = q_g[hh, start:stop]  # (Q, D) float32, carries scaling·log₂e
         k_h = k_g[hh, :keys]  # (keys, D)
-        v_t = v_g[hh] if keys == S else v_g[hh, :, :keys].contiguous()  # (Dv, keys)
+        v_t = v_g[hh, :keys].t()  # (Dv, keys), a view
         mask = None if attention_mask is None else attention_mask[b, h, start:stop]  # (Q, S)
         causal_start = start if is_causal else None
         denom = denoms[hh, start:stop]  # (Q, 1)
@@ -319,9 +313,17 @@ def onednn_attention(
         for h0 in range(0, H, group):
             g = min(group, H - h0)
             k_g = torch.empty(g, S, D, **floats).copy_(key[b, h0 : h0 + g])  # (g, S, D) float32, compact
-            # vᵀ: oneDNN's "weight" layout, in bf16 for `bf16_pv`
-            v_g = torch.empty(g, Dv, S, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
-            v_g.copy_(value[b, h0 : h0 + g].transpose(1, 2))
+            # Compact values, in bf16 for `bf16_pv`. Not transposed: a (g, Dv, S) copy took 7× as long as this one
+            # (185 vs 26 µs at 12 × 512 × 64), and oneDNN reads the transposed view at least as fast.
+            v_g = torch.empty(g, S, Dv, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
+            v_g.copy_(value[b, h0 : h0 + g])  # (g, S, Dv)
+            # max |v| of the group bounds |numerator| / denominator (`_well_scaled`); bf16 PV normalises its weights
+            # first, so |output| ≤ max |v| whatever the values. Over the compact copy: over the strided views it
+            # cost a hidden copy of every value (~0.5 ms per call at 4×512).
+            value_bound = 1.0
+            if not bf16_pv and v_g.numel():
+                v_min, v_max = torch.aminmax(v_g)
+                value_bound = torch.maximum(v_min.neg(), v_max)  # a tensor: read with the row sums; NaN stays NaN
             q_g = torch.empty(g, T, D, **floats)  # (g, T, D) scaled queries: bf16/fp16 promoted, float64 stored, as float32
             torch.mul(query[b, h0 : h0 + g], q_scale, out=q_g)
             for hh in range(g):

@@ -174,6 +174,17 @@ def test_huge_values_take_the_safe_path(monkeypatch):
     torch.testing.assert_close(out / 3e34, oracle(q, k, v) / 3e34, atol=2e-6, rtol=1e-5)
 
 
+def test_the_value_bound_is_per_group_of_heads(monkeypatch):
+    """Huge values in batch row 0 only: its blocks go the safe way, row 1's (the next group) keep the fast path."""
+    q, k, v = qkv_views(2, 600)
+    v = v * torch.tensor([3e34, 1.0]).view(2, 1, 1, 1)
+    checks = spy_on_checks(monkeypatch)
+    out = oa.onednn_attention(q, k, v, block=128)  # 3 heads in one group per row, 5 query blocks per head
+    assert checks == [False] * 15 + [True] * 15
+    torch.testing.assert_close(out[0] / 3e34, oracle(q, k, v)[0] / 3e34, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(out[1], oracle(q, k, v)[1], atol=2e-6, rtol=1e-5)
+
+
 def test_moderate_scores_skip_the_max_subtraction(monkeypatch):
     q, k, v = qkv_views(1, 600)
     checks = spy_on_checks(monkeypatch)
@@ -354,14 +365,15 @@ def test_bf16_model_uses_it_and_stays_close_to_float32(counted):
 @pytest.mark.parametrize(
     "is_causal, dtype, bf16_pv", [(False, torch.float32, False), (True, torch.float32, False), (True, torch.bfloat16, True)]
 )
-def test_every_gemm_gets_contiguous_operands(is_causal, dtype, bf16_pv, monkeypatch):
-    """oneDNN's GEMM on a strided operand falls to a kernel ~1000x slower (a causal 2048-token forward took 48 s
-    instead of 0.4 s when the causal blocks passed a column slice of vᵀ); every call must get dense operands."""
+def test_every_gemm_gets_dense_operands(is_causal, dtype, bf16_pv, monkeypatch):
+    """oneDNN's GEMM on an operand with gaps falls to a kernel ~1000x slower (a causal 2048-token forward took 48 s
+    instead of 0.4 s when the causal blocks passed a column slice of vᵀ): every call must get a contiguous input and
+    a weight that is contiguous or the transpose of a contiguous tensor (the values' (Dv, keys) view)."""
     seen = []
     real = oa._LINEAR_POINTWISE
 
     def checked(x, w, *args):
-        seen.append((x.is_contiguous(), w.is_contiguous()))
+        seen.append((x.is_contiguous(), w.is_contiguous() or w.t().is_contiguous()))
         return real(x, w, *args)
 
     if bf16_pv and not oa._NATIVE[torch.bfloat16]:
@@ -435,8 +447,8 @@ def test_the_model_runs_bf16_pv_where_chosen_and_float32_models_never(monkeypatc
 
 
 def test_nan_values_in_one_batch_row_leave_the_others_exact():
-    """The value bound is taken once per call: a NaN in one row's values must send every block the safe way rather
-    than hide the bound (max() with NaN), or another row's large values overflow the unsubtracted weights."""
+    """The value bound is taken per group of heads: a NaN in one row's values must send that row's blocks the safe way
+    rather than hide the bound (max() with NaN), and another row's large values must still be bounded."""
     q = torch.full((2, 1, 512, 16), 15.6)  # every score ≈ 90 in base-2 units: denominators ≈ 2⁹⁹, in range
     k = torch.ones(2, 1, 512, 16)
     v = torch.full((2, 1, 512, 16), 1e30)  # large, finite
