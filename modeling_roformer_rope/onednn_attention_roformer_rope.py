@@ -266,7 +266,7 @@ def onednn_attention(
     q_scale = torch.tensor([scaling * LOG2E], dtype=torch.float32, device=query.device)
     # the bf16 weights of every block go to one buffer (fewer fresh pages for the kernel to fault in)
     low_weights = torch.empty(min(block, T) * S, dtype=torch.bfloat16) if bf16_pv else None  # (Q·S,)
-    # Operands are prepared for a group of heads at once (one conversion, one scaling, one transpose each instead of
+    # Operands are prepared for a group of heads at once (one conversion or scaling each instead of
     # one per head: ~15% of the kernel at 4×512, `python bench/experiments.py --only attention_kernel_parts`): a
     # group's float32 keys and queries ≤ GROUP_FLOATS each, or one head where a head alone holds more. Small copies
     # reuse freed heap memory, where (H, S, D)-sized ones at long lengths would be fresh pages to fault in.
@@ -280,10 +280,10 @@ def onednn_attention(
         """Query block `start` of head h (hh within its group) of batch row b into `out`; row sums into denoms[hh]."""
         stop = min(start + block, T)
         keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
-        # oneDNN's "weight" (N, K) must have one unit stride: a weight with both strides > 1 (the model's views
-        # into its fused projection) falls to a kernel ~2000× slower (measured: 200 ms vs 0.1 ms at 512 × 512 × 64).
-        # k_g's rows and the transposed view of v_g's rows (strides (1, Dv): read as its transpose, no copy) have
-        # one, for whole heads and causal row slices alike.
+        # oneDNN's "weight" (N, K) must be dense, contiguous or the transpose of a contiguous tensor: one with gaps
+        # between rows (the model's views into its fused projection, a column slice) falls to a kernel ~50-2000×
+        # slower (measured: 200 ms vs 0.1 ms at 512 × 512 × 64). k_g's rows are contiguous and v_g's rows, read as
+        # their transposed view (strides (1, Dv), no copy), are dense, for whole heads and causal row slices alike.
         q_blk = q_g[hh, start:stop]  # (Q, D) float32, carries scaling·log₂e
         k_h = k_g[hh, :keys]  # (keys, D)
         v_t = v_g[hh, :keys].t()  # (Dv, keys), a view

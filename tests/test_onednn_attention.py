@@ -454,8 +454,10 @@ def test_nan_values_in_one_batch_row_leave_the_others_exact():
     v = torch.full((2, 1, 512, 16), 1e30)  # large, finite
     v[0, 0, 7, 0] = float("nan")  # in batch row 0 only
     out = oa.onednn_attention(q, k, v)
-    assert out[1].isfinite().all()
+    assert out[1].isfinite().all() and out[0, :, :, 1:].isfinite().all()  # row 0: only its NaN column is NaN
     torch.testing.assert_close(out[1], torch.full_like(out[1], 1e30), atol=0, rtol=1e-5)  # the mean of equal values
+    torch.testing.assert_close(out[0, :, :, 1:], torch.full_like(out[0, :, :, 1:], 1e30), atol=0, rtol=1e-5)
+    assert out[0, :, :, 0].isnan().all()
 
 
 def test_float64_inputs_are_attended_in_float32_when_called_directly():
