@@ -39,8 +39,8 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
-    own_group: bool = False  # made here for a launcher-less process: `teardown_distributed` undoes it
-    own_env: tuple[str, ...] = ()
+    own_group: bool = False  # the process group was made here (with or without a launcher): teardown destroys it
+    own_env: tuple[str, ...] = ()  # env variables set here for a launcher-less process: teardown removes them
 
     @property
     def is_main(self) -> bool:
@@ -78,15 +78,15 @@ def setup_distributed() -> Dist:
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    return Dist(rank, world, local_rank, device, own_group and bool(own_env), own_env)
+    return Dist(rank, world, local_rank, device, own_group, own_env)
 
 
 def teardown_distributed(dist: Dist) -> None:
-    """Undo what `setup_distributed` made for a launcher-less process (its group of one and the env variables
-    it set), so later work in the same process (the quickstart's fine-tune) does not see a distributed run."""
-    if not dist.own_group:
-        return
-    if torch.distributed.is_initialized():
+    """Undo what `setup_distributed` made: the process group it initialised, under a launcher too (torch asks a
+    program to destroy its groups before it exits; a caller's own group is left alone) and, for a launcher-less
+    process, the env variables it set, so later work in the same process (the quickstart's fine-tune) does not
+    see a distributed run."""
+    if dist.own_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     for key in dist.own_env:
         os.environ.pop(key, None)

@@ -84,7 +84,7 @@ def test_zero_stage_trains_and_exports(tmp_path, zero, procs, precision):
 SAME_START = textwrap.dedent(
     """
     import json, os, sys, torch, deepspeed
-    from roformer_rope.scripts.pretrain_engine import setup_distributed
+    from roformer_rope.scripts.pretrain_engine import setup_distributed, teardown_distributed
     from roformer_rope.scripts.pretrain_export import build_model
     dist = setup_distributed()
     config = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -99,6 +99,11 @@ SAME_START = textwrap.dedent(
     diffs = {k: (plain[k] - partitioned[k]).abs().max().item() for k in plain}
     with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:  # not stdout: the ranks' lines interleave there
         json.dump(diffs, f)
+    teardown_distributed(dist)
+    # Under pytest, ~1 run in 5 had a rank abort after this point, in a C++ destructor at interpreter exit
+    # ("terminate called without an active exception", after both ranks had written and torn down; 0 in 60 runs
+    # of the same script outside pytest). The result is written: leave without the destructors.
+    os._exit(0)
     """
 )
 
