@@ -14,6 +14,8 @@ Experiments
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
   pieces), vs the built-in: time and page faults per call (how close ours is to its kernels' sum).
+- zero_rows: finding the rows of an MLM decoder's upstream gradient that are all zero (the dense head's backward
+  skips them), `ne(0).any` vs one `any` reduction, bf16 and float32, at B·T rows × 50000 words, 15% of rows labelled.
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
@@ -612,6 +614,25 @@ def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32
     print(f"  built-in / ours: {medians['built-in'] / medians['ours']:.2f}×")
 
 
+def zero_rows(reps: int, shapes) -> None:
+    """`ne(0).any(dim=1)` (a bool tensor as large as the gradient, then its reduction) vs `any(dim=1)` (one
+    reduction) on a (B·T, 50000) gradient whose unlabelled rows are zero, as the dense MLM head's backward sees it."""
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| rows × words | dtype | ne(0).any ms | any ms | ne(0).any / any |")
+    print("|---|---|---|---|---|")
+    for batch, length in shapes:
+        rows = batch * length
+        for dtype in (torch.bfloat16, torch.float32):
+            labelled = torch.rand(rows, 1) < 0.15
+            go = (torch.randn(rows, 50000) * labelled).to(dtype)  # (N, V), zero rows where unlabelled
+            assert torch.equal(go.ne(0).any(dim=1), go.any(dim=1))
+            paths = {"ne": lambda go=go: go.ne(0).any(dim=1), "any": lambda go=go: go.any(dim=1)}
+            t = interleaved(paths, reps=reps, warmup=1)
+            print(f"| {rows} × 50000 | {dtype} | {t.ms('ne'):.1f} | {t.ms('any'):.1f} | {t.ratio('ne', 'any'):.2f}× |",
+                  flush=True)  # fmt: skip
+            del go, paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -645,6 +666,8 @@ def main() -> None:
             attention_parts(args.reps, shapes)
         elif name == "op_chain":
             op_chain(args.layers, args.reps, shapes)
+        elif name == "zero_rows":
+            zero_rows(args.reps, shapes)
         elif name == "decode_step":
             decode_step(args.layers, args.reps)
         else:

@@ -102,6 +102,28 @@ def test_backward_on_the_rows_with_a_gradient_is_exact(monkeypatch, labelled):
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_zero_rows_are_found_with_nan_inf_and_negative_zero(monkeypatch, dtype):
+    """The rows skipped are exactly those whose every entry compares equal to zero: −0.0 rows are skipped (a masked
+    loss's gradient carries them), NaN and inf rows are not; the gradients equal F.linear's."""
+    rows_used = []
+    real_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda t, d, i: rows_used.append(i.tolist()) or real_select(t, d, i))
+    torch.manual_seed(0)
+    x = torch.randn(30, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=dtype, requires_grad=True)
+    grad = -torch.rand(30, 50, dtype=dtype) * 0.0  # −0.0 everywhere
+    grad[2] = torch.randn(50, dtype=dtype)
+    grad[5, 7], grad[9, 0] = float("nan"), float("-inf")
+    lin.linear(x, weight, None, zero_grad_rows=True).backward(grad)
+    assert rows_used[0] == [2, 5, 9]
+    x2, w2 = (t.detach().clone().requires_grad_() for t in (x, weight))
+    F.linear(x2, w2).backward(grad)
+    torch.testing.assert_close(x.grad, x2.grad, equal_nan=True)
+    torch.testing.assert_close(weight.grad, w2.grad, equal_nan=True)
+
+
+@needs_onednn
 def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
     """The MaskedLM decoder skips the ignored positions' zero gradient rows: same gradients as the built-in."""
     from conftest import builtin_model, padded_batch
