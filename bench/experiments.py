@@ -14,6 +14,9 @@ Experiments
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
   pieces), vs the built-in: time and page faults per call (how close ours is to its kernels' sum).
+- attention_operands: our attention kernel's per-group operand preparation at 12 heads × 64 of a fused
+  projection: values copied plain vs transposed, max |v| over the strided views vs over the compact copy, and the
+  PV GEMM's "weight" as a contiguous vᵀ, as the transposed view of compact v, and with gaps (a strided view).
 - zero_rows: finding the rows of an MLM decoder's upstream gradient that are all zero (the dense head's backward
   skips them), `ne(0).any` vs one `any` reduction, bf16 and float32, at B·T rows × 50000 words, 15% of rows labelled.
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
@@ -614,6 +617,38 @@ def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32
     print(f"  built-in / ours: {medians['built-in'] / medians['ours']:.2f}×")
 
 
+def attention_operands(reps: int, shapes) -> None:
+    """What `onednn_attention` does per group of heads, each way it could: one group of 12 heads × 64, T keys."""
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| T | v copy plain / transposed ms | max|v| strided views / compact ms | PV GEMM vᵀ contiguous / "
+          "transposed view / with gaps ms |")  # fmt: skip
+    print("|---|---|---|---|")
+    for _, length in shapes:
+        _operands_at(length, reps)
+
+
+def _operands_at(length: int, reps: int) -> None:
+    linear = torch.ops.mkldnn._linear_pointwise
+    qkv = torch.randn(1, length, 3, 12, 64)  # (B, T, 3, H, D) as the fused projection writes it
+    value = qkv[:, :, 2].transpose(1, 2)[0]  # (H, T, D) strided view
+    compact = value.contiguous()  # (H, T, D)
+    rows = min(length, 512)
+    weights = torch.rand(rows, length)  # (Q, S)
+    v_t = compact[0].t().contiguous()  # (D, S)
+    copies = interleaved(
+        {"plain": lambda: torch.empty(12, length, 64).copy_(value),
+         "transposed": lambda: torch.empty(12, 64, length).copy_(value.transpose(1, 2)),
+         "bound_views": lambda: torch.aminmax(value), "bound_compact": lambda: torch.aminmax(compact),
+         "pv_contiguous": lambda: linear(weights, v_t, None, "none", [], ""),
+         "pv_view": lambda: linear(weights, compact[0].t(), None, "none", [], "")},
+        reps=reps, warmup=1,
+    )  # fmt: skip
+    gaps = interleaved({"pv_gaps": lambda: linear(weights, value[0].t(), None, "none", [], "")}, reps=1, warmup=0)
+    print(f"| {length} | {copies.ms('plain'):.3f} / {copies.ms('transposed'):.3f} | {copies.ms('bound_views'):.3f} "
+          f"/ {copies.ms('bound_compact'):.3f} | {copies.ms('pv_contiguous'):.3f} / {copies.ms('pv_view'):.3f} / "
+          f"{gaps.ms('pv_gaps'):.1f} |", flush=True)  # fmt: skip
+
+
 def zero_rows(reps: int, shapes) -> None:
     """`ne(0).any(dim=1)` (a bool tensor as large as the gradient, then its reduction) vs `any(dim=1)` (one
     reduction) on a (B·T, 50000) gradient whose unlabelled rows are zero, as the dense MLM head's backward sees it."""
@@ -666,6 +701,8 @@ def main() -> None:
             attention_parts(args.reps, shapes)
         elif name == "op_chain":
             op_chain(args.layers, args.reps, shapes)
+        elif name == "attention_operands":
+            attention_operands(args.reps, shapes)
         elif name == "zero_rows":
             zero_rows(args.reps, shapes)
         elif name == "decode_step":

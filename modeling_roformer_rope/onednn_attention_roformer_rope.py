@@ -281,8 +281,8 @@ def onednn_attention(
         stop = min(start + block, T)
         keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
         # oneDNN's "weight" (N, K) must be dense, contiguous or the transpose of a contiguous tensor: one with gaps
-        # between rows (the model's views into its fused projection, a column slice) falls to a kernel ~50-2000×
-        # slower (measured: 200 ms vs 0.1 ms at 512 × 512 × 64). k_g's rows are contiguous and v_g's rows, read as
+        # between rows (the model's views into its fused projection, a column slice) falls to a kernel ~400-1000×
+        # slower (180 ms vs 0.45 ms at 512 × 512 × 64, `python bench/experiments.py --only attention_operands`). k_g's rows are contiguous and v_g's rows, read as
         # their transposed view (strides (1, Dv), no copy), are dense, for whole heads and causal row slices alike.
         q_blk = q_g[hh, start:stop]  # (Q, D) float32, carries scaling·log₂e
         k_h = k_g[hh, :keys]  # (keys, D)
@@ -313,13 +313,13 @@ def onednn_attention(
         for h0 in range(0, H, group):
             g = min(group, H - h0)
             k_g = torch.empty(g, S, D, **floats).copy_(key[b, h0 : h0 + g])  # (g, S, D) float32, compact
-            # Compact values, in bf16 for `bf16_pv`. Not transposed: a (g, Dv, S) copy took 7× as long as this one
-            # (185 vs 26 µs at 12 × 512 × 64), and oneDNN reads the transposed view at least as fast.
+            # Compact values, in bf16 for `bf16_pv`. Not transposed: a (g, Dv, S) copy takes 1.6-4.5× as long as this
+            # one at 512-2048 keys, and oneDNN reads the transposed view as fast (`--only attention_operands`).
             v_g = torch.empty(g, S, Dv, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
             v_g.copy_(value[b, h0 : h0 + g])  # (g, S, Dv)
             # max |v| of the group bounds |numerator| / denominator (`_well_scaled`); bf16 PV normalises its weights
             # first, so |output| ≤ max |v| whatever the values. Over the compact copy: over the strided views it
-            # cost a hidden copy of every value (~0.5 ms per call at 4×512).
+            # costs a hidden copy of every value first (1.8-2.3× the time, `--only attention_operands`).
             value_bound = 1.0
             if not bf16_pv and v_g.numel():
                 v_min, v_max = torch.aminmax(v_g)
