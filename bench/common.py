@@ -176,19 +176,48 @@ def package_version() -> str:
         return version
 
 
-def isa_level(flags: set[str] | None = None) -> str:
-    """The instruction-set class that decides our kernels' speed: amx, avx512-bf16, avx512, avx2 or generic."""
+ISA_LEVELS = ("generic", "avx2", "avx512", "avx512-bf16", "amx")  # lowest first
+# Environment variables that keep a process below its CPU's instruction set: oneDNN's (every bf16 GEMM and our
+# oneDNN paths), ATen's vectorised kernels, MKL's (float32 `F.linear`). Each maps its value to the class it caps
+# at; values not listed cap nothing here.
+ISA_LIMIT_VARIABLES = {
+    "ONEDNN_MAX_CPU_ISA": {"SSE41": "generic", "AVX": "generic", "AVX2": "avx2", "AVX2_VNNI": "avx2",
+                           "AVX2_VNNI_2": "avx2", "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
+                           "AVX512_CORE_BF16": "avx512-bf16", "AVX512_CORE_FP16": "avx512-bf16",
+                           "AVX10_1_512": "avx512-bf16"},
+    "DNNL_MAX_CPU_ISA": None,  # oneDNN's older name: same values
+    "ATEN_CPU_CAPABILITY": {"DEFAULT": "generic", "AVX2": "avx2"},
+    "MKL_ENABLE_INSTRUCTIONS": {"SSE4_2": "generic", "AVX": "generic", "AVX2": "avx2"},
+}  # fmt: skip
+
+
+def isa_limits(environ=os.environ) -> dict[str, str]:
+    """The ISA-limiting variables set in this process, e.g. {"ONEDNN_MAX_CPU_ISA": "AVX2"}."""
+    return {name: environ[name] for name in ISA_LIMIT_VARIABLES if environ.get(name, "").strip()}
+
+
+def isa_level(flags: set[str] | None = None, environ=os.environ) -> str:
+    """The instruction-set class that decides our kernels' speed: amx, avx512-bf16, avx512, avx2 or generic — the
+    CPU's (`flags`), lowered by any ISA limit the environment sets (`isa_limits`)."""
     flags = cpu_flags() if flags is None else flags
-    for level, flag in (("amx", "amx_tile"), ("avx512-bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+    level = "generic"
+    for name, flag in (("amx", "amx_tile"), ("avx512-bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
         if flag in flags:
-            return level
-    return "generic"
+            level = name
+            break
+    for name, value in isa_limits(environ).items():
+        caps = ISA_LIMIT_VARIABLES[name] or ISA_LIMIT_VARIABLES["ONEDNN_MAX_CPU_ISA"]
+        cap = caps.get(value.strip().upper())
+        if cap is not None and ISA_LEVELS.index(cap) < ISA_LEVELS.index(level):
+            level = cap
+    return level
 
 
-def native_bf16(flags: set[str] | None = None) -> bool:
-    """bf16 arithmetic in hardware (AVX512-BF16 or AMX). Without it torch emulates bf16 on CPU, several times slower
-    than fp32 (7x measured on an AVX2-only EPYC): the bf16 benchmarks are skipped there unless asked for."""
-    return isa_level(flags) in ("amx", "avx512-bf16")
+def native_bf16(flags: set[str] | None = None, environ=os.environ) -> bool:
+    """bf16 arithmetic in hardware (AVX512-BF16 or AMX), not ruled out by an ISA limit. Without it torch emulates
+    bf16 on CPU, several times slower than fp32 (7x measured on an AVX2-only EPYC): the bf16 benchmarks are
+    skipped there unless asked for."""
+    return isa_level(flags, environ) in ("amx", "avx512-bf16")
 
 
 def cpu_family_model() -> tuple[str, int, int] | None:
@@ -224,14 +253,20 @@ def microarchitecture(ident: tuple[str, int, int] | None = None) -> str | None:
         if family == 23:
             return "zen2" if model >= 0x30 else "zen1"
     if vendor == "GenuineIntel" and family == 6:
-        return {143: "sapphire-rapids", 207: "emerald-rapids", 173: "granite-rapids", 106: "ice-lake",
-                85: "skylake-cascade-lake"}.get(model)
+        return {
+            143: "sapphire-rapids",
+            207: "emerald-rapids",
+            173: "granite-rapids",
+            106: "ice-lake",
+            85: "skylake-cascade-lake",
+        }.get(model)
     return None
 
 
 def cpu_tag() -> str:
     """A folder name per CPU kind, e.g. `amd-epyc-zen5-avx512-bf16` or `intel-xeon-sapphire-rapids-amx`: results
-    measured on different CPUs never overwrite each other. The core generation (family/model) is part of the
+    measured on different CPUs never overwrite each other; a run under an ISA limit gets its own folder, e.g.
+    `amd-epyc-zen5-avx512-bf16-limited-to-avx2`. The core generation (family/model) is part of the
     name since 2026-11-27; folders written before (`amd-epyc-avx2`, `amd-epyc-avx512-bf16`, `intel-xeon-amx`)
     keep their names."""
     import re
@@ -241,7 +276,9 @@ def cpu_tag() -> str:
     arch = microarchitecture()
     if arch and arch not in slug:
         slug = f"{slug}-{arch}"
-    return f"{slug}-{isa_level()}"
+    cpu_level, level = isa_level(environ={}), isa_level()
+    # an ISA limit (ONEDNN_MAX_CPU_ISA=AVX2 ...) is not another CPU: its results go to a folder of their own
+    return f"{slug}-{cpu_level}" + (f"-limited-to-{level}" if level != cpu_level else "")
 
 
 def machine() -> dict[str, str]:
@@ -257,6 +294,7 @@ def machine() -> dict[str, str]:
         "memory": f"{mem_gb:.0f} GiB",
         "torch threads": str(torch.get_num_threads()),
         "torch CPU capability": torch.backends.cpu.get_cpu_capability(),
+        "ISA limits": " ".join(f"{k}={v}" for k, v in isa_limits().items()) or "none",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

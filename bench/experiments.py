@@ -50,7 +50,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from common import check_parity, interleaved, machine, make_pair, random_batch
+from common import check_parity, interleaved, machine, make_pair, native_bf16, random_batch
 
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 
@@ -61,20 +61,20 @@ def gemm_rate(reps: int, tokens: int = 2048) -> None:
         x32, w32 = torch.randn(tokens, k), torch.randn(n, k)
         x16, w16 = x32.bfloat16(), w32.bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(w32)
+        candidates = {
+            "fp32": partial(F.linear, x32, w32),
+            "fp32_onednn": partial(_packed_linear, x32, weight=packed, bias=None),
+            "bf16": partial(F.linear, x16, w16),
+        }
+        if native_bf16():  # without bf16 instructions oneDNN has no bf16 inner product ("could not create a primitive")
+            candidates["bf16_onednn"] = partial(torch.ops.mkldnn._linear_pointwise, x16, w16, None, "none", [], "")
         with torch.no_grad():
-            t = interleaved(
-                {
-                    "fp32": partial(F.linear, x32, w32),
-                    "fp32_onednn": partial(_packed_linear, x32, weight=packed, bias=None),
-                    "bf16": partial(F.linear, x16, w16),
-                    "bf16_onednn": partial(torch.ops.mkldnn._linear_pointwise, x16, w16, None, "none", [], ""),
-                },
-                reps=reps,
-            )
+            t = interleaved(candidates, reps=reps)
         rate = {name: 2.0 * tokens * k * n / t.median(name) / 1e9 for name in t.times}
         print(
             f"GEMM {tokens}×{k}→{n} GFLOP/s: fp32 F.linear {rate['fp32']:.0f}, fp32 oneDNN packed "
-            f"{rate['fp32_onednn']:.0f}, bf16 F.linear {rate['bf16']:.0f}, bf16 oneDNN {rate['bf16_onednn']:.0f}",
+            f"{rate['fp32_onednn']:.0f}, bf16 F.linear {rate['bf16']:.0f}, bf16 oneDNN "
+            + (f"{rate['bf16_onednn']:.0f}" if "bf16_onednn" in rate else "n/a (no bf16 instructions)"),
             flush=True,
         )
 

@@ -49,7 +49,7 @@ def main() -> int:
         f"{info['date (UTC)']} UTC, {minutes:.1f} min; CPU {info['CPU']}, {info['CPU family/model']}; lscpu flags: {flags};",
         f"torch {info['torch']} ({info['torch threads']} threads), transformers {info['transformers']},"
         f" roformer_rope {info['roformer_rope']}; load average at start {info['load average at start']},"
-        f" at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f" at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; ISA limits: {info['ISA limits']}",
         "",
         "```",
         run.stdout.rstrip(),

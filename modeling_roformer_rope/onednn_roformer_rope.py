@@ -91,7 +91,9 @@ class Settings:
     onednn: str = "auto"  # oneDNN GEMMs for CPU linears (and the attention kernel): "auto" | "on" | "off"
     onednn_attention: str = "auto"  # our blocked attention kernel where it applies: "auto" | "on" | "off"
     onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
-    pack: str = "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
+    pack: str = (
+        "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
+    )
 
     @property
     def onednn_attention_enabled(self) -> bool:
@@ -152,13 +154,51 @@ if settings.onednn == "on":
 if settings.pack == "on":
     force_default("linear_packed", "packed")
 
-# Dtypes the CPU computes natively (else emulated: bf16 runs ~7× slower than float32 on an AVX2-only EPYC).
-_NATIVE = {
-    torch.bfloat16: getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
-    torch.float16: getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)(),
-}
+# oneDNN's instruction-set levels, lowest first, as `ONEDNN_MAX_CPU_ISA` (or its older name `DNNL_MAX_CPU_ISA`)
+# names them. A process started with a limit below a level never runs that level's instructions, whatever
+# the CPU has: with `ONEDNN_MAX_CPU_ISA=AVX2` on an AVX512-BF16 EPYC (Zen 5), bf16 `F.linear` ran at 50-60
+# GFLOP/s against 203-215 in float32, and oneDNN's bf16 inner product could not be created at all
+# (`python bench/experiments.py --only gemm_rate`, logged in bench/results/*-limited-to-avx2/).
+_ONEDNN_ISA_LEVELS = (
+    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
+)  # fmt: skip
+
+
+def onednn_isa_allows(level: str, environ=os.environ) -> bool:
+    """Whether oneDNN may use the instructions of `level` in this process: no limit set, `ALL`/`DEFAULT`, or a
+    limit at or above `level`. An unknown limit is ignored by oneDNN, and so here."""
+    limit = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if limit not in _ONEDNN_ISA_LEVELS:
+        return True
+    return _ONEDNN_ISA_LEVELS.index(limit) >= _ONEDNN_ISA_LEVELS.index(level)
+
+
+def native_dtypes(environ=os.environ) -> dict[torch.dtype, bool]:
+    """Dtypes this process computes in hardware: the CPU has the instructions (AVX512-BF16 or AMX for bf16,
+    AMX-FP16 for fp16) and no oneDNN ISA limit rules them out. Else torch emulates them, several times slower
+    than float32 (bf16 7× on an AVX2-only EPYC)."""
+    has = {
+        name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)()
+        for name in ("avx512_bf16", "amx_tile", "amx_fp16")
+    }
+    return {
+        torch.bfloat16: (has["avx512_bf16"] and onednn_isa_allows("AVX512_CORE_BF16", environ))
+        or (has["amx_tile"] and onednn_isa_allows("AVX512_CORE_AMX", environ)),
+        torch.float16: has["amx_fp16"] and onednn_isa_allows("AVX512_CORE_AMX_FP16", environ),
+    }
+
+
+_NATIVE = native_dtypes()
 _warned_dtypes: set = set()
+
+
+def _isa_limit_note() -> str:
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        if os.environ.get(name):
+            return f", or none allowed by {name}={os.environ[name]}"
+    return ""
 
 
 def warn_if_emulated(x: torch.Tensor) -> None:
@@ -166,10 +206,11 @@ def warn_if_emulated(x: torch.Tensor) -> None:
     if x.device.type == "cpu" and x.dtype in _NATIVE and not _NATIVE[x.dtype] and x.dtype not in _warned_dtypes:
         _warned_dtypes.add(x.dtype)
         logger.warning(
-            "%s on this CPU (no %s instructions) is emulated and runs several times slower than float32 "
+            "%s on this CPU (no %s instructions%s) is emulated and runs several times slower than float32 "
             "(measured 7× on an AVX2-only EPYC); use float32 here",
             x.dtype,
             "AVX512-BF16/AMX" if x.dtype == torch.bfloat16 else "AMX-FP16",
+            _isa_limit_note(),
         )
 
 
@@ -443,7 +484,9 @@ def linear(
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
             # back through the casts in float32), but through the node below: its backward skips zero gradient rows.
             low = [t if t is None else t.to(torch.bfloat16) for t in (x, weight, bias)]
-            if not grad and x.numel() > 0:  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
+            if (
+                not grad and x.numel() > 0
+            ):  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
                 x2d = low[0].reshape(-1, x.shape[-1])  # (N, I)
                 return _inference_linear(x2d, low[1], low[2], True).view(*x.shape[:-1], weight.shape[0])  # (..., O)
             with torch.autocast("cpu", enabled=False):

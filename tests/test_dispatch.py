@@ -111,6 +111,44 @@ def test_emulated_bf16_warns_once(monkeypatch, caplog):
     assert len(warnings) == 1 and "use float32 here" in warnings[0]
 
 
+@pytest.mark.parametrize(
+    "flags, environ, bf16, fp16",
+    [({"avx512_bf16"}, {}, True, False),
+     ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, False, False),
+     ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "avx512_core"}, False, False),  # oneDNN reads it in any case
+     ({"avx512_bf16"}, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True, False),
+     ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "ALL"}, True, False),
+     ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "no-such-isa"}, True, False),  # ignored by oneDNN too
+     ({"amx_tile", "amx_fp16"}, {}, True, True),
+     ({"amx_tile", "amx_fp16"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True, False),
+     ({"amx_tile", "amx_fp16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}, False, False),
+     (set(), {}, False, False)],
+)  # fmt: skip
+def test_native_dtypes_follow_the_cpu_and_the_onednn_isa_limit(monkeypatch, flags, environ, bf16, fp16):
+    for name in ("avx512_bf16", "amx_tile", "amx_fp16"):
+        monkeypatch.setattr(torch.cpu, f"_is_{name}_supported", lambda name=name: name in flags, raising=False)
+    assert fast.native_dtypes(environ) == {torch.bfloat16: bf16, torch.float16: fp16}
+
+
+def test_an_isa_limit_below_bf16_makes_bf16_warn_in_a_fresh_process():
+    """`ONEDNN_MAX_CPU_ISA=AVX2` on a CPU with AVX512-BF16: torch's flag still says bf16, the GEMMs are emulated."""
+    out = probe_json(
+        """
+import json, logging, torch
+from modeling_roformer_rope import onednn_roformer_rope as fast
+records = []
+handler = logging.Handler(); handler.emit = records.append
+logging.getLogger(fast.__name__).addHandler(handler)
+with torch.no_grad():
+    fast.RoFormerRopeLinear(16, 8).to(torch.bfloat16)(torch.randn(3, 16, dtype=torch.bfloat16))
+print(json.dumps({"native": fast._NATIVE[torch.bfloat16], "warnings": [r.getMessage() for r in records]}))
+""",
+        ONEDNN_MAX_CPU_ISA="AVX2",
+    )
+    assert out["native"] is False
+    assert len(out["warnings"]) == 1 and "ONEDNN_MAX_CPU_ISA=AVX2" in out["warnings"][0], out["warnings"]
+
+
 def _gradient_ready_order(model: torch.nn.Module, batch: dict) -> list[str]:
     order: list[str] = []
     handles = [
@@ -272,9 +310,7 @@ def test_decode_steps_get_their_own_gemm_classes(forced):
 def test_a_forced_path_must_exist(forced):
     forced(sdpa_layout="dense")
     q, k, v = _fused_views(1, 600)
-    expected = (
-        r"sdpa_layout forced to 'dense' \(by ROFORMER_ROPE_FORCE or force\(\)\); the paths are \['contiguous', 'strided'\]"
-    )
+    expected = r"sdpa_layout forced to 'dense' \(by ROFORMER_ROPE_FORCE or force\(\)\); the paths are \['contiguous', 'strided'\]"
     with torch.no_grad(), pytest.raises(ValueError, match=expected):
         oa.sdpa_layout(q, k, v)
     with pytest.raises(ValueError, match="unknown decision kind 'layout'"):
