@@ -9,16 +9,31 @@ and against the built-in. Shapes are fixed, so each new shape recompiles (counte
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from functools import partial
 
 import torch
-from common import Section, bar_plot, check_parity, fmt_ms, interleaved, make_pair, random_batch, shape_name
+from common import Section, bar_plot, check_parity, fmt_ms, interleaved, isa_limits, make_pair, random_batch, shape_name
 
 SHAPES = [(1, 128), (4, 512)]
 
 
+def separate_inductor_cache() -> None:
+    """Under an ISA limit (`ATEN_CPU_CAPABILITY=avx2` ...) compile into a cache of that limit's own. Inductor's
+    on-disk cache key does not include the limit: with torch 2.13 on a Zen 5 EPYC, kernels cached by an unlimited
+    run and served under `ATEN_CPU_CAPABILITY=avx2` gave NaN for the built-in and ours alike (a fresh cache
+    directory gave the right outputs)."""
+    limits = isa_limits()
+    if limits and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        name = "-".join(f"{k}-{v}" for k, v in sorted(limits.items())).lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{name}")
+        print(f"ISA limits {limits}: inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}", flush=True)
+
+
 def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
+    separate_inductor_cache()
     builtin, ours = make_pair(layers, 8192)
     compiled = {"builtin": torch.compile(builtin, dynamic=False), "ours": torch.compile(ours, dynamic=False)}
     results = []

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -42,6 +43,7 @@ from common import (  # noqa: E402
     cpu_tag,
     fmt_ms,
     goal_cell,
+    isa_limits,
     machine,
     markdown_table,
     native_bf16,
@@ -167,7 +169,9 @@ def summary(sections: dict[str, Section]) -> str:
                     "",
                     f"floor {fmt_ms(r['bf16_floor_s'])} ms",
                     f"{r['bf16_vs_floor']:.2f}× of floor",
-                    mark(r["bf16_vs_floor"], bench_bf16.FLOOR_GOAL if "amx_bf16" in cpu_flags() else None, higher=False),
+                    mark(
+                        r["bf16_vs_floor"], bench_bf16.FLOOR_GOAL if "amx_bf16" in cpu_flags() else None, higher=False
+                    ),
                 ]
             )
     for r in sections["generate"].data["rows"] if "generate" in sections else []:
@@ -228,6 +232,33 @@ def dispatch_section() -> str:
     return "## Dispatch on this CPU\n\n" + method + "\n\n" + markdown_table(headers, rows) + "\n"
 
 
+def run_one(name: str, layers: int, p: dict, args: argparse.Namespace, skipped: list[str]) -> list[Section]:
+    """The sections of one benchmark (none if it is skipped on this CPU: the reason goes to `skipped`)."""
+    if name == "forward":
+        return bench_forward.run(layers, p["reps"], p["forward"])
+    if name == "train":
+        return bench_train.run(layers, p["reps"], p["train"], bf16=native_bf16() or args.bf16_emulated)
+    if name == "memory":
+        return bench_memory.run(layers, p["memory"])
+    if name == "bf16":
+        if not (native_bf16() or args.bf16_emulated):
+            why = "neither AVX512-BF16 nor AMX" + (
+                f" allowed by {' '.join(f'{k}={v}' for k, v in isa_limits().items())}" if isa_limits() else ""
+            )
+            print(f"bf16 skipped: this process has {why}, torch emulates bf16 (--bf16-emulated to time it)")
+            skipped.append(
+                f"bf16 forward and bf16 autocast training: this process has {why}, so torch "
+                "emulates bf16 several times slower than fp32 (use fp32 here; `--bf16-emulated` times it anyway)"
+            )
+            return []
+        return bench_bf16.run(layers, p["reps"], p["bf16"])
+    if name == "compile":
+        return bench_compile.run(layers, p["reps"], p["compile"])
+    if name == "generate":
+        return bench_generate.run(layers, p["reps"])
+    return export_onnx.run(layers)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, fewer shapes/repetitions")
@@ -237,7 +268,8 @@ def main() -> int:
     parser.add_argument("--out", help="output folder (default: see module docstring)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
     parser.add_argument(
-        "--bf16-emulated", action="store_true",
+        "--bf16-emulated",
+        action="store_true",
         help="time the bf16 forward and bf16 training steps even where bf16 is emulated (no AVX512-BF16/AMX: slow)",
     )
     args = parser.parse_args()
@@ -260,33 +292,24 @@ def main() -> int:
     started = time.time()
     sections: dict[str, Section] = {}
     skipped: list[str] = []
+    failed: list[str] = []
     for name in only:
         t0 = time.time()
-        if name == "forward":
-            found = bench_forward.run(layers, p["reps"], p["forward"])
-        elif name == "train":
-            found = bench_train.run(layers, p["reps"], p["train"], bf16=native_bf16() or args.bf16_emulated)
-        elif name == "memory":
-            found = bench_memory.run(layers, p["memory"])
-        elif name == "bf16":
-            if not (native_bf16() or args.bf16_emulated):
-                print("bf16 skipped: this CPU has neither AVX512-BF16 nor AMX, torch emulates bf16 (--bf16-emulated to time it)")
-                skipped.append("bf16 forward and bf16 autocast training: this CPU has neither AVX512-BF16 nor AMX, so torch "
-                               "emulates bf16 several times slower than fp32 (use fp32 here; `--bf16-emulated` times it anyway)")
-                continue
-            found = bench_bf16.run(layers, p["reps"], p["bf16"])
-        elif name == "compile":
-            found = bench_compile.run(layers, p["reps"], p["compile"])
-        elif name == "generate":
-            found = bench_generate.run(layers, p["reps"])
-        else:
-            found = export_onnx.run(layers)
+        try:
+            found = run_one(name, layers, p, args, skipped)
+        except Exception as error:  # one broken benchmark must not lose the others' results: logged, run goes on
+            traceback.print_exc()
+            failed.append(f"{name}: {type(error).__name__}: {error}")
+            print(f"[{name} FAILED after {time.time() - t0:.0f} s: {type(error).__name__}: {error}]", flush=True)
+            continue
         for section in found:
             sections[section.key] = section
         print(f"[{name} done in {time.time() - started:.0f} s total, {time.time() - t0:.0f} s this one]", flush=True)
     info["run time"] = f"{(time.time() - started) / 60:.1f} min"
     if skipped:
         info["skipped"] = "; ".join(skipped)
+    if failed:
+        info["failed"] = "; ".join(failed)
     info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     busy = float(info["load average at start"].split()[0])  # before our own threads started
     if busy > 0.5 * (os.cpu_count() or 1):
@@ -332,7 +355,9 @@ def main() -> int:
             default=str,
         )
     print(f"wrote {out}/README.md in {(time.time() - started) / 60:.1f} min")
-    return 0
+    if failed:
+        print("FAILED: " + "; ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
