@@ -25,8 +25,14 @@ def separate_inductor_cache() -> None:
     on-disk cache key does not include the limit: with torch 2.13 on a Zen 5 EPYC, kernels cached by an unlimited
     run and served under `ATEN_CPU_CAPABILITY=avx2` gave NaN for the built-in and ours alike (a fresh cache
     directory gave the right outputs)."""
+    try:  # inductor writes its default into the environment the first time anything asks for the cache dir
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = default_cache_dir()
+    except ImportError:
+        default = None
     limits = isa_limits()
-    if limits and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    if limits and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default):
         name = "-".join(f"{k}-{v}" for k, v in sorted(limits.items())).lower()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{name}")
         print(f"ISA limits {limits}: inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}", flush=True)
