@@ -42,3 +42,19 @@ def test_a_limited_run_writes_to_a_folder_of_its_own(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert common.cpu_tag() == "amd-epyc-zen5-avx512-bf16-limited-to-avx2"
     assert common.isa_limits() == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_run_all_records_a_failing_benchmark_and_goes_on(monkeypatch, tmp_path):
+    import run_all
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    ran = []
+    monkeypatch.setattr(run_all.bench_forward, "run", broken)
+    monkeypatch.setattr(run_all.export_onnx, "run", lambda layers: ran.append(layers) or [])
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "--quick", "--only", "forward,export", "--out", str(tmp_path)])
+    assert run_all.main() == 1
+    assert ran == [2]  # the benchmark after the failing one still ran
+    readme = (tmp_path / "README.md").read_text()
+    assert "| failed | forward: RuntimeError: could not create a primitive descriptor |" in readme
