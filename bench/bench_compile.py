@@ -10,6 +10,7 @@ and against the built-in. Shapes are fixed, so each new shape recompiles (counte
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from functools import partial
@@ -28,13 +29,13 @@ def separate_inductor_cache() -> None:
     try:  # inductor writes its default into the environment the first time anything asks for the cache dir
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        default = default_cache_dir()
+        default = default_cache_dir()  # per user: /tmp/torchinductor_<user>
     except ImportError:
-        default = None
+        default = os.path.join(tempfile.gettempdir(), "torchinductor")
     limits = isa_limits()
     if limits and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default):
-        name = "-".join(f"{k}-{v}" for k, v in sorted(limits.items())).lower()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{name}")
+        name = re.sub(r"[^a-z0-9_-]+", "_", "-".join(f"{k}-{v}" for k, v in sorted(limits.items())).lower())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{name}"
         print(f"ISA limits {limits}: inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}", flush=True)
 
 

@@ -178,17 +178,23 @@ def package_version() -> str:
 
 ISA_LEVELS = ("generic", "avx2", "avx512", "avx512-bf16", "amx")  # lowest first
 # Environment variables that keep a process below its CPU's instruction set: oneDNN's (every bf16 GEMM and our
-# oneDNN paths), ATen's vectorised kernels, MKL's (float32 `F.linear`). Each maps its value to the class it caps
-# at; values not listed cap nothing here.
-ISA_LIMIT_VARIABLES = {
-    "ONEDNN_MAX_CPU_ISA": {"SSE41": "generic", "AVX": "generic", "AVX2": "avx2", "AVX2_VNNI": "avx2",
-                           "AVX2_VNNI_2": "avx2", "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
-                           "AVX512_CORE_BF16": "avx512-bf16", "AVX512_CORE_FP16": "avx512-bf16",
-                           "AVX10_1_512": "avx512-bf16"},
-    "DNNL_MAX_CPU_ISA": None,  # oneDNN's older name: same values
-    "ATEN_CPU_CAPABILITY": {"DEFAULT": "generic", "AVX2": "avx2"},
-    "MKL_ENABLE_INSTRUCTIONS": {"SSE4_2": "generic", "AVX": "generic", "AVX2": "avx2"},
-}  # fmt: skip
+# oneDNN paths; read as oneDNN reads it, `onednn_isa_limit`), ATen's vectorised kernels (exact lowercase values,
+# as ATen compares them), MKL's (float32 `F.linear`). Values not listed cap nothing here.
+ATEN_CAPS = {"default": "generic", "avx2": "avx2"}
+MKL_CAPS = {"SSE4_2": "generic", "AVX": "generic", "AVX2": "avx2"}
+ISA_LIMIT_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _onednn_cap(limit: str) -> str:
+    """The class a oneDNN limit (a key of ONEDNN_ISA_LIMITS) caps at."""
+    from modeling_roformer_rope.onednn_roformer_rope import ONEDNN_ISA_LIMITS
+
+    features = ONEDNN_ISA_LIMITS[limit]
+    if "amx" in features:
+        return "amx"
+    if "bf16" in features:
+        return "avx512-bf16"
+    return "avx512" if limit.startswith("AVX512") else "avx2" if limit.startswith("AVX2") else "generic"
 
 
 def isa_limits(environ=os.environ) -> dict[str, str]:
@@ -199,25 +205,37 @@ def isa_limits(environ=os.environ) -> dict[str, str]:
 def isa_level(flags: set[str] | None = None, environ=os.environ) -> str:
     """The instruction-set class that decides our kernels' speed: amx, avx512-bf16, avx512, avx2 or generic — the
     CPU's (`flags`), lowered by any ISA limit the environment sets (`isa_limits`)."""
+    from modeling_roformer_rope.onednn_roformer_rope import onednn_isa_limit
+
     flags = cpu_flags() if flags is None else flags
     level = "generic"
     for name, flag in (("amx", "amx_tile"), ("avx512-bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
         if flag in flags:
             level = name
             break
-    for name, value in isa_limits(environ).items():
-        caps = ISA_LIMIT_VARIABLES[name] or ISA_LIMIT_VARIABLES["ONEDNN_MAX_CPU_ISA"]
-        cap = caps.get(value.strip().upper())
+    onednn = onednn_isa_limit(environ)
+    caps = [
+        _onednn_cap(onednn) if onednn else None,
+        ATEN_CAPS.get(environ.get("ATEN_CPU_CAPABILITY", "").strip()),
+        MKL_CAPS.get(environ.get("MKL_ENABLE_INSTRUCTIONS", "").strip()),
+    ]
+    for cap in caps:
         if cap is not None and ISA_LEVELS.index(cap) < ISA_LEVELS.index(level):
             level = cap
     return level
 
 
 def native_bf16(flags: set[str] | None = None, environ=os.environ) -> bool:
-    """bf16 arithmetic in hardware (AVX512-BF16 or AMX), not ruled out by an ISA limit. Without it torch emulates
-    bf16 on CPU, several times slower than fp32 (7x measured on an AVX2-only EPYC): the bf16 benchmarks are
-    skipped there unless asked for."""
-    return isa_level(flags, environ) in ("amx", "avx512-bf16")
+    """bf16 arithmetic in hardware (AVX512-BF16 or AMX) that oneDNN, which runs every bf16 GEMM, may use: the
+    model's own rule (`native_dtypes`), on these flags. ATen's and MKL's limits do not touch bf16 GEMMs. Without
+    it torch emulates bf16 on CPU, several times slower than fp32 (7x measured on an AVX2-only EPYC): the bf16
+    benchmarks are skipped there unless asked for."""
+    from modeling_roformer_rope.onednn_roformer_rope import onednn_isa_allows
+
+    flags = cpu_flags() if flags is None else flags
+    return ("avx512_bf16" in flags and onednn_isa_allows("bf16", environ)) or (
+        "amx_tile" in flags and onednn_isa_allows("amx", environ)
+    )
 
 
 def cpu_family_model() -> tuple[str, int, int] | None:

@@ -299,7 +299,8 @@ def main() -> int:
             found = run_one(name, layers, p, args, skipped)
         except Exception as error:  # one broken benchmark must not lose the others' results: logged, run goes on
             traceback.print_exc()
-            failed.append(f"{name}: {type(error).__name__}: {error}")
+            message = " ".join(str(error).split()).replace("|", "\\|")  # one line, safe in a markdown table cell
+            failed.append(f"{name}: {type(error).__name__}: {message}")
             print(f"[{name} FAILED after {time.time() - t0:.0f} s: {type(error).__name__}: {error}]", flush=True)
             continue
         for section in found:
@@ -310,6 +311,10 @@ def main() -> int:
         info["skipped"] = "; ".join(skipped)
     if failed:
         info["failed"] = "; ".join(failed)
+        if not args.out:  # a failed run never replaces a complete results folder: it goes next to it
+            out = out.rstrip(os.sep) + "-failed"
+            os.makedirs(out, exist_ok=True)
+            print(f"some benchmarks failed: results of the others go to {out}", flush=True)
     info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     busy = float(info["load average at start"].split()[0])  # before our own threads started
     if busy > 0.5 * (os.cpu_count() or 1):

@@ -154,25 +154,34 @@ if settings.onednn == "on":
 if settings.pack == "on":
     force_default("linear_packed", "packed")
 
-# oneDNN's instruction-set levels, lowest first, as `ONEDNN_MAX_CPU_ISA` (or its older name `DNNL_MAX_CPU_ISA`)
-# names them. A process started with a limit below a level never runs that level's instructions, whatever
-# the CPU has: with `ONEDNN_MAX_CPU_ISA=AVX2` on an AVX512-BF16 EPYC (Zen 5), bf16 `F.linear` ran at 50-60
-# GFLOP/s against 203-215 in float32, and oneDNN's bf16 inner product could not be created at all
+# What each `ONEDNN_MAX_CPU_ISA` (or its older name `DNNL_MAX_CPU_ISA`) value lets oneDNN use of the three
+# instruction sets we ask about: "bf16" (AVX512_CORE_BF16), "amx" (AVX512_CORE_AMX), "amx_fp16". oneDNN's levels
+# are not one line (AVX10_2 has bf16 but no AMX), hence a set per value; aliases (AVX512_CORE_AMX =
+# AVX10_1_512_AMX ...) are listed under both names. A process limited below a set never runs its instructions,
+# whatever the CPU has: with `ONEDNN_MAX_CPU_ISA=AVX2` on an AVX512-BF16 EPYC (Zen 5), bf16 `F.linear` ran at
+# 50-60 GFLOP/s against 203-215 in float32, and oneDNN's bf16 inner product could not be created at all
 # (`python bench/experiments.py --only gemm_rate`, logged in bench/results/*-limited-to-avx2/).
-_ONEDNN_ISA_LEVELS = (
-    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
-    "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
-    "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
-)  # fmt: skip
+_BF16, _AMX, _AMX_FP16 = frozenset({"bf16"}), frozenset({"bf16", "amx"}), frozenset({"bf16", "amx", "amx_fp16"})
+ONEDNN_ISA_LIMITS: dict[str, frozenset] = {
+    **dict.fromkeys(("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"), frozenset()),
+    **dict.fromkeys(("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2", "AVX10_2_512"), _BF16),
+    **dict.fromkeys(("AVX10_2_ACE", "AVX10_2_512_ACE"), _BF16),
+    **dict.fromkeys(("AVX512_CORE_AMX", "AVX10_1_512_AMX"), _AMX),
+    **dict.fromkeys(("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "AVX10_2_AMX_2", "AVX10_2_512_AMX_2"), _AMX_FP16),
+}  # fmt: skip
 
 
-def onednn_isa_allows(level: str, environ=os.environ) -> bool:
-    """Whether oneDNN may use the instructions of `level` in this process: no limit set, `ALL`/`DEFAULT`, or a
-    limit at or above `level`. An unknown limit is ignored by oneDNN, and so here."""
+def onednn_isa_limit(environ=os.environ) -> str | None:
+    """The limit oneDNN applies: `ONEDNN_MAX_CPU_ISA` if set (any case), else `DNNL_MAX_CPU_ISA`; None for no limit,
+    `ALL`/`DEFAULT`, or a value oneDNN does not know (it ignores those too)."""
     limit = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
-    if limit not in _ONEDNN_ISA_LEVELS:
-        return True
-    return _ONEDNN_ISA_LEVELS.index(limit) >= _ONEDNN_ISA_LEVELS.index(level)
+    return limit if limit in ONEDNN_ISA_LIMITS else None
+
+
+def onednn_isa_allows(feature: str, environ=os.environ) -> bool:
+    """Whether oneDNN may use `feature` ("bf16", "amx" or "amx_fp16") in this process."""
+    limit = onednn_isa_limit(environ)
+    return limit is None or feature in ONEDNN_ISA_LIMITS[limit]
 
 
 def native_dtypes(environ=os.environ) -> dict[torch.dtype, bool]:
@@ -184,9 +193,9 @@ def native_dtypes(environ=os.environ) -> dict[torch.dtype, bool]:
         for name in ("avx512_bf16", "amx_tile", "amx_fp16")
     }
     return {
-        torch.bfloat16: (has["avx512_bf16"] and onednn_isa_allows("AVX512_CORE_BF16", environ))
-        or (has["amx_tile"] and onednn_isa_allows("AVX512_CORE_AMX", environ)),
-        torch.float16: has["amx_fp16"] and onednn_isa_allows("AVX512_CORE_AMX_FP16", environ),
+        torch.bfloat16: (has["avx512_bf16"] and onednn_isa_allows("bf16", environ))
+        or (has["amx_tile"] and onednn_isa_allows("amx", environ)),
+        torch.float16: has["amx_fp16"] and onednn_isa_allows("amx_fp16", environ),
     }
 
 
@@ -195,10 +204,10 @@ _warned_dtypes: set = set()
 
 
 def _isa_limit_note() -> str:
-    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
-        if os.environ.get(name):
-            return f", or none allowed by {name}={os.environ[name]}"
-    return ""
+    if onednn_isa_limit() is None:
+        return ""
+    name = "ONEDNN_MAX_CPU_ISA" if os.environ.get("ONEDNN_MAX_CPU_ISA") else "DNNL_MAX_CPU_ISA"
+    return f", or none allowed by {name}={os.environ[name]}"
 
 
 def warn_if_emulated(x: torch.Tensor) -> None:

@@ -23,9 +23,15 @@ SAPPHIRE_RAPIDS = ZEN5 | {"amx_tile", "amx_bf16"}
      (ZEN5, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "avx512-bf16", True),
      (SAPPHIRE_RAPIDS, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "avx512-bf16", True),
      (ZEN5, {"ONEDNN_MAX_CPU_ISA": "ALL"}, "avx512-bf16", True),
-     (ZEN5, {"ATEN_CPU_CAPABILITY": "avx2"}, "avx2", False),
-     (ZEN5, {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}, "generic", False),
-     ({"avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "avx2", False)],  # a limit never raises the class
+     (ZEN5, {"ATEN_CPU_CAPABILITY": "avx2"}, "avx2", True),
+     (ZEN5, {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}, "generic", True),
+     ({"avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "avx2", False),  # a limit never raises the class
+     (ZEN5, {"DNNL_MAX_CPU_ISA": "AVX2"}, "avx2", False),
+     (ZEN5, {"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"}, "avx512-bf16", True),  # oneDNN reads ONEDNN_
+     (SAPPHIRE_RAPIDS, {"ONEDNN_MAX_CPU_ISA": "AVX10_2"}, "avx512-bf16", True),  # bf16 without AMX
+     (SAPPHIRE_RAPIDS, {"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX"}, "amx", True),
+     (ZEN5, {"ATEN_CPU_CAPABILITY": "AVX2"}, "avx512-bf16", True),  # ATen ignores values not in its case
+     (ZEN5, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, "avx2", True)],  # bf16 GEMMs are oneDNN's: MKL's limit leaves them
 )  # fmt: skip
 def test_isa_level_is_the_cpus_lowered_by_any_limit(flags, environ, level, bf16):
     assert common.isa_level(flags, environ) == level
@@ -42,13 +48,37 @@ def test_a_limited_run_writes_to_a_folder_of_its_own(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert common.cpu_tag() == "amd-epyc-zen5-avx512-bf16-limited-to-avx2"
     assert common.isa_limits() == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # a limit that lowers nothing: the CPU's own folder
+    assert common.cpu_tag() == "amd-epyc-zen5-avx512-bf16"
+
+
+def test_compile_under_a_limit_gets_an_inductor_cache_of_its_own(monkeypatch):
+    import bench_compile
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    for name in common.ISA_LIMIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    bench_compile.separate_inductor_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # no limit: inductor's default
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # inductor wrote its default already
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2/../x")
+    bench_compile.separate_inductor_cache()
+    assert (
+        os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        == default_cache_dir() + "-aten_cpu_capability-avx2-onednn_max_cpu_isa-avx2_x"
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/chosen")  # the user's own choice stays
+    bench_compile.separate_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/chosen"
 
 
 def test_run_all_records_a_failing_benchmark_and_goes_on(monkeypatch, tmp_path):
     import run_all
 
     def broken(*args, **kwargs):
-        raise RuntimeError("could not create a primitive descriptor")
+        raise RuntimeError("could not create\n a primitive descriptor a|b")
 
     ran = []
     monkeypatch.setattr(run_all.bench_forward, "run", broken)
@@ -57,4 +87,19 @@ def test_run_all_records_a_failing_benchmark_and_goes_on(monkeypatch, tmp_path):
     assert run_all.main() == 1
     assert ran == [2]  # the benchmark after the failing one still ran
     readme = (tmp_path / "README.md").read_text()
-    assert "| failed | forward: RuntimeError: could not create a primitive descriptor |" in readme
+    assert "| failed | forward: RuntimeError: could not create a primitive descriptor a\\|b |" in readme
+
+
+def test_a_failed_run_does_not_replace_the_default_results_folder(monkeypatch, tmp_path):
+    import run_all
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(run_all.export_onnx, "run", broken)
+    monkeypatch.setattr(run_all, "__file__", str(tmp_path / "bench" / "run_all.py"))
+    monkeypatch.setattr(run_all, "cpu_tag", lambda: "some-cpu")
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "--quick", "--only", "export"])
+    assert run_all.main() == 1
+    assert (tmp_path / "bench" / "results" / "some-cpu" / "quick-failed" / "README.md").exists()
+    assert not (tmp_path / "bench" / "results" / "some-cpu" / "quick" / "README.md").exists()

@@ -122,6 +122,13 @@ def test_emulated_bf16_warns_once(monkeypatch, caplog):
      ({"amx_tile", "amx_fp16"}, {}, True, True),
      ({"amx_tile", "amx_fp16"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True, False),
      ({"amx_tile", "amx_fp16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}, False, False),
+     ({"amx_tile"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False, False),  # AMX needs an AMX level
+     ({"amx_tile", "avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX10_2"}, True, False),  # bf16, no AMX
+     ({"amx_tile", "amx_fp16"}, {"ONEDNN_MAX_CPU_ISA": "AVX10_2"}, False, False),  # AVX10_2 is not above AMX
+     ({"amx_tile", "amx_fp16"}, {"ONEDNN_MAX_CPU_ISA": "avx10_2_amx_2"}, True, True),
+     ({"avx512_bf16"}, {"DNNL_MAX_CPU_ISA": "AVX2"}, False, False),  # the older name limits too
+     ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"}, True, False),  # ONEDNN_ first
+     ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": "AVX2"}, False, False),  # empty: not set
      (set(), {}, False, False)],
 )  # fmt: skip
 def test_native_dtypes_follow_the_cpu_and_the_onednn_isa_limit(monkeypatch, flags, environ, bf16, fp16):
@@ -130,6 +137,7 @@ def test_native_dtypes_follow_the_cpu_and_the_onednn_isa_limit(monkeypatch, flag
     assert fast.native_dtypes(environ) == {torch.bfloat16: bf16, torch.float16: fp16}
 
 
+@pytest.mark.skipif(not fast.native_dtypes({})[torch.bfloat16], reason="the CPU has no bf16 instructions to limit")
 def test_an_isa_limit_below_bf16_makes_bf16_warn_in_a_fresh_process():
     """`ONEDNN_MAX_CPU_ISA=AVX2` on a CPU with AVX512-BF16: torch's flag still says bf16, the GEMMs are emulated."""
     out = probe_json(
