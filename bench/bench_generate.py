@@ -56,14 +56,9 @@ def run_generation(layers: int, reps: int) -> Section:
     for name, lengths in PROMPTS.items():
         inputs = prompt_batch(lengths)
         want = generate(builtin, inputs)  # also the warm-up of each
-        for label, got in (
-            ("dynamic", generate(ours, inputs)),
-            ("static", generate(ours, inputs, cache_implementation="static")),
-        ):
+        for label, got in (("dynamic", generate(ours, inputs)), ("static", generate(ours, inputs, cache_implementation="static"))):
             if not torch.equal(got, want):
-                raise AssertionError(
-                    f"{name}: ours ({label} cache) generated other tokens than the built-in: refusing to time"
-                )
+                raise AssertionError(f"{name}: ours ({label} cache) generated other tokens than the built-in: refusing to time")
         timing = interleaved(
             {
                 "builtin": partial(generate, builtin, inputs),

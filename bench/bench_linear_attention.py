@@ -993,11 +993,8 @@ def main() -> None:
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--no-memory", action="store_true", help="op and layer levels: skip the memory children")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument(
-        "--extend",
-        action="store_true",
-        help="add this run's lengths to the level's previous results instead of replacing them",
-    )
+    parser.add_argument("--extend", action="store_true",
+                        help="add this run's lengths to the level's previous results instead of replacing them")
     parser.add_argument("--out", default=os.path.join(HERE, "results", cpu_tag(), "linear_attention"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -91,39 +91,18 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
         tiny = ModelSize(2, 64, 2, 128)
-        plan = Plan(
-            tiny,
-            1500,
-            2000,
-            [(4, 128), (1, 512)],
-            ["fp32", "bf16"],
-            1,
-            1,
-            5,
-            [{"name": "tiny", "model": tiny, "micro": 2, "length": 128}],
-            2,
-        )
+        plan = Plan(tiny, 1500, 2000, [(4, 128), (1, 512)], ["fp32", "bf16"], 1, 1, 5,
+                    [{"name": "tiny", "model": tiny, "micro": 2, "length": 128}], 2)
     else:
         base = ModelSize(args.layers, 768, 12, 3072)
         deep = ModelSize(12, 768, 12, 3072)
-        plan = Plan(
-            base,
-            19484,
-            20000,
-            [(4, 512), (16, 128)],
-            ["fp32", "bf16"],
-            5,
-            1,
-            40,
-            [
-                {"name": "default", "model": base, "micro": 4, "length": 512},
-                {"name": "states dominate", "model": deep, "micro": 1, "length": 128},
-                # BERT-large size (~360M parameters): ZeRO-3's saving at 2 ranks (2 bytes per parameter) now
-                # outweighs its fixed working buffers. ~5 GiB per rank.
-                {"name": "large", "model": ModelSize(24, 1024, 16, 4096), "micro": 1, "length": 128, "stages": [2, 3]},
-            ],
-            3,
-        )
+        plan = Plan(base, 19484, 20000, [(4, 512), (16, 128)], ["fp32", "bf16"], 5, 1, 40, [
+            {"name": "default", "model": base, "micro": 4, "length": 512},
+            {"name": "states dominate", "model": deep, "micro": 1, "length": 128},
+            # BERT-large size (~360M parameters): ZeRO-3's saving at 2 ranks (2 bytes per parameter) now
+            # outweighs its fixed working buffers. ~5 GiB per rank.
+            {"name": "large", "model": ModelSize(24, 1024, 16, 4096), "micro": 1, "length": 128, "stages": [2, 3]},
+        ], 3)
     if args.reps:
         plan.reps = args.reps
     if args.precisions:
@@ -179,10 +158,8 @@ class Data:
         spans = self.spans(length)
         sampler = mlm_data.StageSampler(len(spans), micro, 1, seed=0, stage=stage)
         sep = self.tokenizer.sep_token_id
-        return [
-            (*mlm_data.sequence_body(self.stream, spans[i], sep), (stage, epoch, i))
-            for epoch, i in sampler.step_items(step, 0)
-        ]
+        return [(*mlm_data.sequence_body(self.stream, spans[i], sep), (stage, epoch, i))
+                for epoch, i in sampler.step_items(step, 0)]
 
     def batches(self, micro: int, length: int, count: int) -> list[dict]:
         return [self.masker.collate(self.items(micro, length, step)) for step in range(count)]
@@ -216,12 +193,8 @@ def random_mlm_batch(micro: int, length: int, vocab: int, seed: int) -> dict:
     input_ids = torch.randint(5, vocab, (micro, length), generator=g)
     labels = input_ids.masked_fill(torch.rand(micro, length, generator=g) >= 0.15, -100)
     ones = torch.ones_like(input_ids)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": ones,
-        "token_type_ids": torch.zeros_like(input_ids),
-        "labels": labels,
-    }
+    return {"input_ids": input_ids, "attention_mask": ones, "token_type_ids": torch.zeros_like(input_ids),
+            "labels": labels}
 
 
 # ---- models and engines ------------------------------------------------------------------------------------
@@ -230,12 +203,8 @@ def random_mlm_batch(micro: int, length: int, vocab: int, seed: int) -> dict:
 def builtin_config(size: ModelSize, vocab: int, max_length: int) -> transformers.RoFormerConfig:
     """Pretraining defaults (dropout 0.1), as `roformer-rope pretrain` builds its model from a stages file."""
     return transformers.RoFormerConfig(
-        vocab_size=vocab,
-        hidden_size=size.hidden,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        intermediate_size=size.intermediate,
-        max_position_embeddings=max_length,
+        vocab_size=vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+        num_attention_heads=size.heads, intermediate_size=size.intermediate, max_position_embeddings=max_length,
     )
 
 
@@ -270,17 +239,9 @@ def zero_config(stage: int, micro: int, world: int, precision: str, hidden: int 
     from roformer_rope.scripts.pretrain_config import fill_deepspeed_config
 
     path, template = read_deepspeed_config(f"zero{stage}")
-    return fill_deepspeed_config(
-        template,
-        micro_batch=micro,
-        global_batch=micro * world,
-        world_size=world,
-        precision=precision,
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-        on_cpu=True,
-        hidden_size=hidden,
-    )
+    return fill_deepspeed_config(template, micro_batch=micro, global_batch=micro * world, world_size=world,
+                                 precision=precision, lr=LR, weight_decay=WEIGHT_DECAY, on_cpu=True,
+                                 hidden_size=hidden)
 
 
 def engine_for(model: torch.nn.Module, ds_config: dict):
@@ -321,9 +282,8 @@ def plain_optimizer(model: torch.nn.Module, ds_config: dict, fused: bool = False
     from roformer_rope.scripts.pretrain_engine import param_groups
 
     params = ds_config["optimizer"]["params"]
-    return torch.optim.AdamW(
-        param_groups(model, WEIGHT_DECAY), lr=LR, betas=tuple(params["betas"]), eps=params["eps"], fused=fused or None
-    )
+    return torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=tuple(params["betas"]), eps=params["eps"],
+                             fused=fused or None)
 
 
 def interleave(candidates: dict, batches: list[dict], warmup: int) -> dict[str, dict[str, list[float]]]:
@@ -333,7 +293,7 @@ def interleave(candidates: dict, batches: list[dict], warmup: int) -> dict[str, 
     names = list(candidates)
     times = {name: {"total": [], "forward": [], "backward": [], "step": [], "minor_faults": []} for name in names}
     for r, batch in enumerate(batches):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             gc.collect()
             phases: dict[str, float] = {}
@@ -371,7 +331,7 @@ def run_throughput(plan: Plan, data: Data, with_builtin: bool, with_plain: bool)
     for precision in plan.precisions:
         for micro, length in plan.shapes:
             batches = data.batches(micro, length, plan.warmup + plan.reps)
-            tokens = [int(b["attention_mask"].sum()) for b in batches[plan.warmup :]]
+            tokens = [int(b["attention_mask"].sum()) for b in batches[plan.warmup:]]
             builtin, ours = model_pair(plan.model, vocab, max(length for _, length in plan.shapes))
             diff = check_parity(builtin, ours, batches[0])
             ds_config = zero_config(2, micro, 1, precision)
@@ -391,21 +351,11 @@ def run_throughput(plan: Plan, data: Data, with_builtin: bool, with_plain: bool)
                 else:
                     engines.append(engine_for(model, fused_config if name == OURS_FUSED else ds_config))
                     candidates[name] = lambda b, p, e=engines[-1]: ds_step(e, b, p)
-            print(
-                f"{precision} {micro}×{length}: {len(candidates)} candidates, {plan.reps} rounds (load {load_line()})",
-                flush=True,
-            )
+            print(f"{precision} {micro}×{length}: {len(candidates)} candidates, {plan.reps} rounds "
+                  f"(load {load_line()})", flush=True)
             times = interleave(candidates, batches, plan.warmup)
-            row = {
-                "precision": precision,
-                "micro": micro,
-                "length": length,
-                "vocab": vocab,
-                "tokens_per_step": tokens,
-                "parity_max_abs_diff": diff,
-                "times": times,
-                "candidates": {},
-            }
+            row = {"precision": precision, "micro": micro, "length": length, "vocab": vocab,
+                   "tokens_per_step": tokens, "parity_max_abs_diff": diff, "times": times, "candidates": {}}
             for name, t in times.items():
                 row["candidates"][name] = {
                     "step_s": median(t["total"]),
@@ -436,20 +386,11 @@ def throughput_section(rows: list[dict], plan: Plan) -> Section:
         c = r["candidates"]
         goal = THROUGHPUT_GOAL if r["length"] >= 512 else None
         met = "" if goal is None else f"≥{goal:g}× {'✅' if r['speedup'] >= goal else '❌'}"
-        table.append(
-            [
-                r["precision"],
-                f"{r['micro']}×{r['length']}",
-                f"{median(r['tokens_per_step']):,.0f}",
-                f"{c['built-in (ZeRO-2)']['tokens_per_s']:,.0f}",
-                f"{c['ours (ZeRO-2)']['tokens_per_s']:,.0f}",
-                f"{r['speedup']:.2f}×",
-                met,
-                f"{r['parity_max_abs_diff']:.1e}",
-            ]
-        )
+        table.append([r["precision"], f"{r['micro']}×{r['length']}", f"{median(r['tokens_per_step']):,.0f}",
+                      f"{c['built-in (ZeRO-2)']['tokens_per_s']:,.0f}", f"{c['ours (ZeRO-2)']['tokens_per_s']:,.0f}",
+                      f"{r['speedup']:.2f}×", met, f"{r['parity_max_abs_diff']:.1e}"])
     method = (
-        f'One process, DeepSpeed ZeRO-2 (`scripts/configs/zero2.json`, "auto" filled by `fill_deepspeed_config`: '
+        f"One process, DeepSpeed ZeRO-2 (`scripts/configs/zero2.json`, \"auto\" filled by `fill_deepspeed_config`: "
         f"micro batch = global batch, gradient accumulation 1, torch AdamW lr {LR:g}, clipping {CLIP:g}), gloo, "
         f"`DS_ACCELERATOR=cpu`. {plan.model.layers} layers × {plan.model.hidden} ({plan.model.heads} heads, "
         f"intermediate {plan.model.intermediate}), vocab {rows[0]['vocab'] if rows else '?'} (built from "
@@ -461,33 +402,18 @@ def throughput_section(rows: list[dict], plan: Plan) -> Section:
         "step(s); speed-up = median of per-round built-in / ours step times. Parity: loss and labelled-token "
         "logits of the two models (fp32, dropout off) before timing."
     )
-    headers = [
-        "precision",
-        "micro×T",
-        "tokens/step",
-        "built-in tokens/s",
-        "ours tokens/s",
-        "ours / built-in",
-        "goal",
-        "parity max abs diff",
-    ]
+    headers = ["precision", "micro×T", "tokens/step", "built-in tokens/s", "ours tokens/s", "ours / built-in",
+               "goal", "parity max abs diff"]
     labels = [f"{r['precision']} {r['micro']}×{r['length']}" for r in rows]
 
     def plot(path: str) -> None:
-        bar_plot(
-            path,
-            f"ZeRO-2 pretraining throughput, 1 process, {plan.model.label()} (tokens/s)",
-            labels,
-            {
-                "built-in RoFormerForMaskedLM": [r["candidates"][BUILTIN]["tokens_per_s"] for r in rows],
-                "ours (sparse_prediction)": [r["candidates"][OURS]["tokens_per_s"] for r in rows],
-            },
-            "tokens/s",
-        )
+        bar_plot(path, f"ZeRO-2 pretraining throughput, 1 process, {plan.model.label()} (tokens/s)", labels, {
+            "built-in RoFormerForMaskedLM": [r["candidates"][BUILTIN]["tokens_per_s"] for r in rows],
+            "ours (sparse_prediction)": [r["candidates"][OURS]["tokens_per_s"] for r in rows],
+        }, "tokens/s")
 
-    return Section(
-        "throughput", "Pretraining throughput: ZeRO-2, 1 process", method, headers, table, plot, {"rows": rows}
-    )
+    return Section("throughput", "Pretraining throughput: ZeRO-2, 1 process", method, headers, table, plot,
+                   {"rows": rows})
 
 
 def overhead_section(rows: list[dict], plan: Plan) -> Section:
@@ -502,18 +428,10 @@ def overhead_section(rows: list[dict], plan: Plan) -> Section:
         ):
             ds, plain = c[ds_name], c[plain_name]
             goal = f"≤{OVERHEAD_GOAL:g}× {'✅' if r[key] <= OVERHEAD_GOAL else '❌'}" if key == "overhead_fused" else ""
-            table.append(
-                [
-                    f"{r['micro']}×{r['length']}",
-                    label,
-                    *(f"{1000 * plain[k]:.0f} / {1000 * ds[k]:.0f}" for k in ("forward_s", "backward_s", "step_s")),
-                    f"{plain['minor_faults'] / 1000:.0f}k / {ds['minor_faults'] / 1000:.0f}k",
-                    f"{plain['tokens_per_s']:,.0f}",
-                    f"{ds['tokens_per_s']:,.0f}",
-                    f"{r[key]:.2f}×",
-                    goal,
-                ]
-            )
+            table.append([f"{r['micro']}×{r['length']}", label,
+                          *(f"{1000 * plain[k]:.0f} / {1000 * ds[k]:.0f}" for k in ("forward_s", "backward_s", "step_s")),
+                          f"{plain['minor_faults'] / 1000:.0f}k / {ds['minor_faults'] / 1000:.0f}k",
+                          f"{plain['tokens_per_s']:,.0f}", f"{ds['tokens_per_s']:,.0f}", f"{r[key]:.2f}×", goal])
     gains = ", ".join(f"{r['micro']}×{r['length']} {r['fused_gain']:.2f}×" for r in rows if "fused_gain" in r)
     method = (
         "Our model (fp32, `sparse_prediction=True`) under the ZeRO-2 engine above vs deep copies trained with plain "
@@ -523,34 +441,17 @@ def overhead_section(rows: list[dict], plan: Plan) -> Section:
         "reduce buckets and all-reduce them, even at 1 rank); optimizer (`engine.step`: gradient norm, clipping, "
         "AdamW on the flat fp32 partition, copy back into the parameters); minor page faults per step (memory "
         "the kernel maps and zero-fills anew). Ratio = median of per-round ZeRO-2 / plain step times. On CPU the "
-        'shipped configs resolve to torch\'s fused AdamW (`fill_deepspeed_config` adds `"fused": true`, which '
+        "shipped configs resolve to torch's fused AdamW (`fill_deepspeed_config` adds `\"fused\": true`, which "
         "DeepSpeed passes to `torch.optim.AdamW`). First row of each shape: that ZeRO-2 step against a plain "
         "step with torch's default AdamW (foreach); second row, the goal: both fused, like for like (a ZeRO-2 "
         "engine given `fused` explicitly; ZeRO-2 shipped / ZeRO-2 explicit step time: "
         f"{gains or 'n/a'}). fp32 only: DeepSpeed's bf16 keeps fp32 master weights, which a plain bf16 model "
         "has no equivalent of."
     )
-    headers = [
-        "micro×T",
-        "optimizer",
-        "forward ms",
-        "backward ms",
-        "optimizer ms",
-        "page faults",
-        "plain tokens/s",
-        "ZeRO-2 tokens/s",
-        "ZeRO-2 / plain",
-        "goal",
-    ]
-    return Section(
-        "overhead",
-        "DeepSpeed overhead: ZeRO-2 vs plain PyTorch (ours, fp32)",
-        method,
-        headers,
-        table,
-        None,
-        {"rows": [{k: v for k, v in r.items() if k != "times"} for r in rows if "overhead" in r]},
-    )
+    headers = ["micro×T", "optimizer", "forward ms", "backward ms", "optimizer ms", "page faults",
+               "plain tokens/s", "ZeRO-2 tokens/s", "ZeRO-2 / plain", "goal"]
+    return Section("overhead", "DeepSpeed overhead: ZeRO-2 vs plain PyTorch (ours, fp32)", method, headers, table,
+                   None, {"rows": [{k: v for k, v in r.items() if k != "times"} for r in rows if "overhead" in r]})
 
 
 # ---- 3: data pipeline --------------------------------------------------------------------------------------
@@ -568,21 +469,11 @@ def run_data(plan: Plan, data: Data) -> list[dict]:
             tokens.append(int(batch["attention_mask"].sum()))
             labelled += int((batch["labels"] != -100).sum())
         total = sum(tokens)
-        rows.append(
-            {
-                "micro": micro,
-                "length": length,
-                "batches": plan.data_batches,
-                "tokens": total,
-                "seconds": sum(times),
-                "tokens_per_s": total / sum(times),
-                "median_batch_ms": 1000 * median(times),
-                "fill": total / (micro * length * len(tokens)),
-                "masked_fraction": labelled / total,
-                "pack_s": data.pack_seconds[length],
-                "sequences": len(data.packed[length]),
-            }
-        )
+        rows.append({"micro": micro, "length": length, "batches": plan.data_batches, "tokens": total,
+                     "seconds": sum(times), "tokens_per_s": total / sum(times),
+                     "median_batch_ms": 1000 * median(times), "fill": total / (micro * length * len(tokens)),
+                     "masked_fraction": labelled / total, "pack_s": data.pack_seconds[length],
+                     "sequences": len(data.packed[length])})
         print(f"data {micro}×{length}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
     return rows
 
@@ -590,27 +481,16 @@ def run_data(plan: Plan, data: Data) -> list[dict]:
 def data_section(rows: list[dict], throughput: list[dict], plan: Plan) -> Section:
     table = []
     for r in rows:
-        fastest = [
-            t["candidates"][OURS]["tokens_per_s"]
-            for t in throughput
-            if (t["micro"], t["length"]) == (r["micro"], r["length"])
-        ]
+        fastest = [t["candidates"][OURS]["tokens_per_s"] for t in throughput
+                   if (t["micro"], t["length"]) == (r["micro"], r["length"])]
         margin = f"{r['tokens_per_s'] / max(fastest):,.0f}×" if fastest else "(not measured)"
-        table.append(
-            [
-                f"{r['micro']}×{r['length']}",
-                f"{r['median_batch_ms']:.1f}",
-                f"{r['tokens_per_s']:,.0f}",
-                margin,
-                f"{100 * r['fill']:.1f}%",
-                f"{100 * r['masked_fraction']:.1f}%",
-                f"{r['pack_s']:.2f} s ({r['sequences']} seq.)",
-            ]
-        )
+        table.append([f"{r['micro']}×{r['length']}", f"{r['median_batch_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                      margin, f"{100 * r['fill']:.1f}%", f"{100 * r['masked_fraction']:.1f}%",
+                      f"{r['pack_s']:.2f} s ({r['sequences']} seq.)"])
     method = (
         f"What `Run.micro_batches` does per micro batch, alone: `StageSampler.step_items`, `sequence_body` for each "
         f"sequence (memory-mapped stream) and `WholeWordMasker.collate` (whole-word masking, padding, labels), "
-        f'over {plan.data_batches} consecutive steps. "× training" = collation tokens/s over the fastest '
+        f"over {plan.data_batches} consecutive steps. \"× training\" = collation tokens/s over the fastest "
         "training tokens/s measured above for the same shape (ours, ZeRO-2): how much faster the data comes than "
         "the model consumes it, in the same process and thread. Fill = non-padding share of the batch; "
         "`pack` runs once per stage (timed apart). Tokenization (`tokenize_to_stream`) is done once and cached."
@@ -665,10 +545,8 @@ def measure_stage(stage: int, spec: dict, rank: int, world: int) -> dict:
     ds_config = zero_config(stage, spec["micro"], world, "fp32", spec["model"]["hidden"])
     ds_config["zero_optimization"].update(spec.get("zero_overrides", {}).get(str(stage), {}))
     model = ours_model(ModelSize(**spec["model"]), spec["vocab"], spec["length"], ds_config if stage == 3 else None)
-    marks = {
-        "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
-        "model_rss": proc_status("VmRSS"),
-    }
+    marks = {"params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+             "model_rss": proc_status("VmRSS")}
     engine = engine_for(model, ds_config)
     del model
     gc.collect()
@@ -720,29 +598,15 @@ def free_port() -> int:
 
 def launch_memory(spec: dict, timeout: float, extra_env: dict[str, str]) -> list[dict]:
     """torchrun with 2 ranks of `memory_worker`; returns each rank's JSON."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *MALLOC_ENV)
-    }
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *MALLOC_ENV)}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra_env)  # 2 ranks on 2 cores
     failures = []
     for _attempt in range(2):  # a rank has been seen to abort once under heavy load: retry, and say so
         with tempfile.TemporaryDirectory(prefix="bench-pretrain-mem-") as tmp:
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master_port",
-                str(free_port()),
-                str(Path(__file__).resolve()),
-                "--memory-worker",
-                json.dumps(spec),
-                "--memory-out",
-                tmp,
-            ]
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                       str(free_port()), str(Path(__file__).resolve()), "--memory-worker", json.dumps(spec),
+                       "--memory-out", tmp]
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode == 0:
                 ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
@@ -750,15 +614,11 @@ def launch_memory(spec: dict, timeout: float, extra_env: dict[str, str]) -> list
                     rank["failed_attempts"] = failures
                 return ranks
         lines = (done.stderr + done.stdout).strip().splitlines()
-        why = [
-            line
-            for line in lines
-            if re.search(r"terminate|what\(\)|Error|abort|Killed", line) and "Warning" not in line
-        ]
+        why = [line for line in lines if re.search(r"terminate|what\(\)|Error|abort|Killed", line)
+               and "Warning" not in line]
         failures.append("\n".join(why[-12:] or lines[-12:]))
-        print(
-            f"memory worker failed (ZeRO stages {spec['stages']}), exit {done.returncode}:\n{failures[-1]}", flush=True
-        )
+        print(f"memory worker failed (ZeRO stages {spec['stages']}), exit {done.returncode}:\n{failures[-1]}",
+              flush=True)
     raise RuntimeError(f"memory worker failed twice (ZeRO stages {spec['stages']})")
 
 
@@ -769,31 +629,15 @@ def run_memory(plan: Plan, vocab: int, one_launch: bool, timeout: float = 1800) 
     for run in plan.memory_runs:
         wanted = run.get("stages", [1, 2, 3])
         for stages in [wanted] if one_launch else [[stage] for stage in wanted]:
-            spec = {
-                "stages": stages,
-                "model": asdict(run["model"]),
-                "vocab": vocab,
-                "micro": run["micro"],
-                "length": run["length"],
-                "steps": plan.memory_steps,
-                "warm_up": not one_launch,
-                "zero_overrides": run.get("zero_overrides", {}),
-            }
+            spec = {"stages": stages, "model": asdict(run["model"]), "vocab": vocab, "micro": run["micro"],
+                    "length": run["length"], "steps": plan.memory_steps, "warm_up": not one_launch,
+                    "zero_overrides": run.get("zero_overrides", {})}
             start = time.perf_counter()
             ranks = launch_memory(spec, timeout, run.get("env", {}))
             for stage in stages:
                 per_rank = [{"rank": r["rank"], **r["stages"][str(stage)]} for r in ranks]
-                rows.append(
-                    {
-                        "name": run["name"],
-                        "stage": stage,
-                        "one_launch": one_launch,
-                        "env": run.get("env", {}),
-                        **spec,
-                        "ranks": per_rank,
-                        "launch_seconds": time.perf_counter() - start,
-                    }
-                )
+                rows.append({"name": run["name"], "stage": stage, "one_launch": one_launch, "env": run.get("env", {}), **spec,
+                             "ranks": per_rank, "launch_seconds": time.perf_counter() - start})
                 peaks = ", ".join(f"rank {k['rank']} {mib(peak_increase(k)):.0f} MiB" for k in per_rank)
                 print(f"memory {run['name']} ZeRO-{stage}: peak increase {peaks}", flush=True)
     return rows
@@ -821,29 +665,21 @@ def memory_section(rows: list[dict], plan: Plan) -> Section:
         size = ModelSize(**r["model"])
         ranks = r["ranks"]
         stage = f"ZeRO-{r['stage']}"
-        table.append(
-            [
-                f"{r['name']}: {size.label()}, {r['micro']}×{r['length']}",
-                f"{ranks[0]['params'] / 1e6:.1f}M",
-                stage,
-                f"{mib(model_states(ranks[0]['params'], r['stage'], len(ranks))):.0f}",
-                *(f"{mib(peak_increase(k)):.0f}" for k in ranks),
-                " / ".join(f"{mib(max(k['step_peaks'][1:] or k['step_peaks']) - k['rss_before']):.0f}" for k in ranks),
-                " / ".join(f"{mib(k['init_peak'] - k['rss_before']):.0f}" for k in ranks),
-                " / ".join(f"{mib(k['after_steps_rss'] - k['rss_before']):.0f}" for k in ranks),
-            ]
-        )
+        table.append([
+            f"{r['name']}: {size.label()}, {r['micro']}×{r['length']}", f"{ranks[0]['params'] / 1e6:.1f}M", stage,
+            f"{mib(model_states(ranks[0]['params'], r['stage'], len(ranks))):.0f}",
+            *(f"{mib(peak_increase(k)):.0f}" for k in ranks),
+            " / ".join(f"{mib(max(k['step_peaks'][1:] or k['step_peaks']) - k['rss_before']):.0f}" for k in ranks),
+            " / ".join(f"{mib(k['init_peak'] - k['rss_before']):.0f}" for k in ranks),
+            " / ".join(f"{mib(k['after_steps_rss'] - k['rss_before']):.0f}" for k in ranks),
+        ])
     method = (
         "2 processes (`torchrun --nproc_per_node 2`, gloo, 1 thread each), fp32, our model with "
         "`sparse_prediction=True`, shipped `zero1/2/3.json` (ZeRO-3: `stage3_param_persistence_threshold: 0`), "
-        + (
-            "one launch for the three stages and no warm-up (--quick: lazy imports and one-off allocations are "
-            "charged to the first stage)"
-            if rows and rows[0]["one_launch"]
-            else "a fresh launch per stage; each rank "
-            "first runs a tiny model through the same stage, so lazy imports and one-off allocations (~200 MiB) are "
-            "not charged to the model"
-        )
+        + ("one launch for the three stages and no warm-up (--quick: lazy imports and one-off allocations are "
+           "charged to the first stage)" if rows and rows[0]["one_launch"] else "a fresh launch per stage; each rank "
+           "first runs a tiny model through the same stage, so lazy imports and one-off allocations (~200 MiB) are "
+           "not charged to the model")
         + f", {plan.memory_steps} steps on a random batch (15% labels). RSS from "
         "`/proc/self/status`: VmRSS before the model is built is the baseline; the peak (VmHWM) is reset with "
         "`/proc/self/clear_refs` before each step, so every phase has its own peak. Peak Δ = highest RSS from "
@@ -864,23 +700,11 @@ def memory_section(rows: list[dict], plan: Plan) -> Section:
         "partition even when the model is fp32); not counted: activations, buckets, ZeRO-3's gathered parameters. "
         "Rows named `MALLOC_MMAP_THRESHOLD_` (when a plan has them) run with `MALLOC_MMAP_THRESHOLD_=131072`: glibc "
         "then hands every freed tensor of ≥128 KiB back to the OS."
-        + "".join(
-            f" A {r['name']} ZeRO-{r['stage']} launch failed once and was rerun: {r['ranks'][0]['failed_attempts'][0]!r}."
-            for r in rows
-            if r["ranks"][0].get("failed_attempts")
-        )
+        + "".join(f" A {r['name']} ZeRO-{r['stage']} launch failed once and was rerun: {r['ranks'][0]['failed_attempts'][0]!r}."
+                  for r in rows if r["ranks"][0].get("failed_attempts"))
     )
-    headers = [
-        "model, micro×T",
-        "params",
-        "stage",
-        "model states MiB (theory)",
-        "rank 0 peak Δ MiB",
-        "rank 1 peak Δ MiB",
-        "steady peak Δ MiB",
-        "init peak Δ MiB",
-        "resident Δ MiB",
-    ]
+    headers = ["model, micro×T", "params", "stage", "model states MiB (theory)", "rank 0 peak Δ MiB", "rank 1 peak Δ MiB",
+               "steady peak Δ MiB", "init peak Δ MiB", "resident Δ MiB"]
     labels = []
     series: dict[str, list[float]] = {"rank 0 peak Δ": [], "rank 1 peak Δ": []}
     for r in rows:
@@ -893,9 +717,8 @@ def memory_section(rows: list[dict], plan: Plan) -> Section:
     def plot(path: str) -> None:
         bar_plot(path, "Peak RSS increase per rank, 2 processes (MiB)", labels, series, "MiB")
 
-    return Section(
-        "memory", "Peak memory per rank: ZeRO-1/2/3 at 2 ranks", method, headers, table, plot, {"rows": rows}
-    )
+    return Section("memory", "Peak memory per rank: ZeRO-1/2/3 at 2 ranks", method, headers, table, plot,
+                   {"rows": rows})
 
 
 # ---- 5: profile --------------------------------------------------------------------------------------------
@@ -944,9 +767,8 @@ def profile_section(result: dict, top: int = 18) -> Section:
         f"steps, same batch for all three. Top {top} aten ops by self CPU time (ms), then each phase's wall time "
         "(one step, so noisier than the medians above)."
     )
-    return Section(
-        "profile", "Profile of one training step (per aten op)", method, ["op", *names], rows, None, {"profile": result}
-    )
+    return Section("profile", "Profile of one training step (per aten op)", method, ["op", *names], rows, None,
+                   {"profile": result})
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -958,68 +780,36 @@ def summary_section(sections: list[Section]) -> Section:
     rows = []
     for r in by_key.get("throughput", {}).get("rows", []):
         c = r["candidates"]
-        goal = (
-            f"≥{THROUGHPUT_GOAL:g}× {'✅' if r['speedup'] >= THROUGHPUT_GOAL else '❌'}" if r["length"] >= 512 else ""
-        )
-        rows.append(
-            [
-                f"throughput, ZeRO-2, {r['precision']}",
-                f"{r['micro']}×{r['length']}",
-                f"built-in {c[BUILTIN]['tokens_per_s']:,.0f} / ours {c[OURS]['tokens_per_s']:,.0f} tokens/s",
-                f"{r['speedup']:.2f}× ours / built-in",
-                goal,
-            ]
-        )
+        goal = f"≥{THROUGHPUT_GOAL:g}× {'✅' if r['speedup'] >= THROUGHPUT_GOAL else '❌'}" if r["length"] >= 512 else ""
+        rows.append([f"throughput, ZeRO-2, {r['precision']}", f"{r['micro']}×{r['length']}",
+                     f"built-in {c[BUILTIN]['tokens_per_s']:,.0f} / ours {c[OURS]['tokens_per_s']:,.0f} tokens/s",
+                     f"{r['speedup']:.2f}× ours / built-in", goal])
     for r in by_key.get("overhead", {}).get("rows", []):
         c = r["candidates"]
-        rows.append(
-            [
-                "DeepSpeed overhead (ours, fp32, fused AdamW both)",
-                f"{r['micro']}×{r['length']}",
-                f"plain {c[PLAIN_FUSED]['tokens_per_s']:,.0f} / ZeRO-2 {c[OURS_FUSED]['tokens_per_s']:,.0f} tokens/s",
-                f"{r['overhead_fused']:.2f}× ZeRO-2 / plain step",
-                f"≤{OVERHEAD_GOAL:g}× {'✅' if r['overhead_fused'] <= OVERHEAD_GOAL else '❌'}",
-            ]
-        )
-    train = {
-        (t["micro"], t["length"]): t["candidates"][OURS]["tokens_per_s"]
-        for t in by_key.get("throughput", by_key.get("overhead", {})).get("rows", [])
-    }
+        rows.append(["DeepSpeed overhead (ours, fp32, fused AdamW both)", f"{r['micro']}×{r['length']}",
+                     f"plain {c[PLAIN_FUSED]['tokens_per_s']:,.0f} / ZeRO-2 {c[OURS_FUSED]['tokens_per_s']:,.0f} tokens/s",
+                     f"{r['overhead_fused']:.2f}× ZeRO-2 / plain step",
+                     f"≤{OVERHEAD_GOAL:g}× {'✅' if r['overhead_fused'] <= OVERHEAD_GOAL else '❌'}"])
+    train = {(t["micro"], t["length"]): t["candidates"][OURS]["tokens_per_s"]
+             for t in by_key.get("throughput", by_key.get("overhead", {})).get("rows", [])}
     for r in by_key.get("data", {}).get("rows", []):
         fastest = train.get((r["micro"], r["length"]))
         margin = r["tokens_per_s"] / fastest if fastest else None
-        rows.append(
-            [
-                "data pipeline (collation)",
-                f"{r['micro']}×{r['length']}",
-                f"{r['tokens_per_s']:,.0f} tokens/s",
-                f"{margin:,.0f}× training tokens/s" if margin else "",
-                ("never the bottleneck " + ("✅" if margin > 10 else "❌")) if margin else "",
-            ]
-        )
+        rows.append(["data pipeline (collation)", f"{r['micro']}×{r['length']}", f"{r['tokens_per_s']:,.0f} tokens/s",
+                     f"{margin:,.0f}× training tokens/s" if margin else "",
+                     ("never the bottleneck " + ("✅" if margin > 10 else "❌")) if margin else ""])
     memory = by_key.get("memory", {}).get("rows", [])
     for name in dict.fromkeys(r["name"] for r in memory):
         peaks = {r["stage"]: max(peak_increase(k) for k in r["ranks"]) for r in memory if r["name"] == name}
         first = next(r for r in memory if r["name"] == name)
         size = ModelSize(**first["model"])
         lower = 3 in peaks and peaks[3] < min(v for k, v in peaks.items() if k != 3)
-        rows.append(
-            [
-                f"peak RSS Δ per rank, 2 ranks, {name}",
-                f"{size.label()}, {first['micro']}×{first['length']}",
-                " / ".join(f"ZeRO-{k} {mib(v):.0f}" for k, v in sorted(peaks.items())) + " MiB (worst rank)",
-                "",
-                f"ZeRO-3 lowest {'✅' if lower else '❌'}",
-            ]
-        )
-    return Section(
-        "summary",
-        "Summary (issue 11 goals)",
-        "Details and method in the sections below. Data pipeline: ✅ when "
-        "collation runs ≥10× faster than training consumes tokens (≤10% of a step even if not overlapped).",
-        ["benchmark", "shape", "measured", "ratio", "goal"],
-        rows,
-    )
+        rows.append([f"peak RSS Δ per rank, 2 ranks, {name}", f"{size.label()}, {first['micro']}×{first['length']}",
+                     " / ".join(f"ZeRO-{k} {mib(v):.0f}" for k, v in sorted(peaks.items())) + " MiB (worst rank)",
+                     "", f"ZeRO-3 lowest {'✅' if lower else '❌'}"])
+    return Section("summary", "Summary (issue 11 goals)", "Details and method in the sections below. Data pipeline: ✅ when "
+                   "collation runs ≥10× faster than training consumes tokens (≤10% of a step even if not overlapped).",
+                   ["benchmark", "shape", "measured", "ratio", "goal"], rows)
 
 
 def write_report(out: Path, sections: list[Section], info: dict, argv: list[str]) -> None:
@@ -1052,26 +842,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all)")
     parser.add_argument("--layers", type=int, default=4, help="encoder layers of base width (default: %(default)s)")
     parser.add_argument("--reps", type=int, help="timed rounds per shape (default: 5, quick 1)")
-    parser.add_argument(
-        "--precisions", help="comma-separated fp32,bf16 (default: both where the CPU has native bf16, else fp32)"
-    )
+    parser.add_argument("--precisions", help="comma-separated fp32,bf16 (default: both where the CPU has native bf16, else fp32)")
     parser.add_argument("--memory-steps", type=int, help="steps per memory launch (default: 3, quick 2)")
-    parser.add_argument(
-        "--memory-runs",
-        help="comma-separated memory rows to run (default: all of the plan: default, states dominate, large)",
-    )
+    parser.add_argument("--memory-runs", help="comma-separated memory rows to run (default: all of the plan: "
+                        "default, states dominate, large)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice; --quick: 1)")
     parser.add_argument("--out", help="output folder (default: bench/results/<cpu-tag>/pretrain)")
-    parser.add_argument(
-        "--cache",
-        default=os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "roformer-rope", "bench_pretrain"),
-        help="vocabulary + token stream cache",
-    )
-    parser.add_argument(
-        "--render",
-        action="store_true",
-        help="rewrite README.md and the PNGs of --out (or the default folder) from its results.json",
-    )
+    parser.add_argument("--cache", default=os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "roformer-rope",
+                                                          "bench_pretrain"), help="vocabulary + token stream cache")
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite README.md and the PNGs of --out (or the default folder) from its results.json")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     parser.add_argument("--memory-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1098,14 +878,9 @@ def main(argv: list[str] | None = None) -> int:
         return render(out, plan)
     import deepspeed
 
-    info = {
-        "CPU tag": tag,
-        "lscpu model name": model_name,
-        "key ISA flags": " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in KEY_FLAGS),
-        **machine(),
-        "deepspeed": deepspeed.__version__,
-        "uptime at start": uptime(),
-    }
+    info = {"CPU tag": tag, "lscpu model name": model_name,
+            "key ISA flags": " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in KEY_FLAGS),
+            **machine(), "deepspeed": deepspeed.__version__, "uptime at start": uptime()}
     print(f"CPU: {model_name}; {info['key ISA flags']}; tag {tag}; load {load_line()}", flush=True)
     started = time.perf_counter()
 
@@ -1116,10 +891,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries()
     data = prepare_data(plan, Path(args.cache).expanduser())
-    print(
-        f"data: vocab {len(data.tokenizer)}, {data.stream.num_tokens:,} tokens in {data.stream.num_lines} lines",
-        flush=True,
-    )
+    print(f"data: vocab {len(data.tokenizer)}, {data.stream.num_tokens:,} tokens in {data.stream.num_lines} lines",
+          flush=True)
     sections: list[Section] = []
     throughput_rows: list[dict] = []
     if "memory" in only:  # first: its 2-rank launches want the machine's memory to themselves
@@ -1143,13 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     if "profile" in only:
         sections.append(profile_section(run_profile(plan, data)))
         elapsed("profile")
-    info.update(
-        {
-            "run time": f"{(time.perf_counter() - started) / 60:.1f} min",
-            "load average at end": load_line(),
-            "uptime at end": uptime(),
-        }
-    )
+    info.update({"run time": f"{(time.perf_counter() - started) / 60:.1f} min", "load average at end": load_line(),
+                 "uptime at end": uptime()})
     write_report(out, sections, info, sys.argv[1:] if argv is None else argv)
     print("\n" + markdown_table(["machine", ""], [[k, v] for k, v in info.items()]) + "\n")
     for section in [summary_section(sections), *sections]:

@@ -22,9 +22,7 @@ GOALS = {(8, 128): 1.0, (4, 512): 1.3}  # issue 14: dense head ≥ 1.3× at 4×5
 SPARSE_GOAL = 1.0  # sparse_prediction and bf16 cells: never slower than the built-in
 
 
-def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, bf16: bool = False
-) -> torch.Tensor:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, bf16: bool = False) -> torch.Tensor:
     """One MLM step; `bf16`: forward and backward under CPU bf16 autocast (fp32 master weights, as mixed
     precision training runs)."""
     optimizer.zero_grad(set_to_none=True)

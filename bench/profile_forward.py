@@ -24,16 +24,7 @@ import modeling_roformer_rope.attention_roformer_rope as attention
 
 OPS = {
     "weight packing": ("mkl::_mkl_reorder_linear_weight", "mkldnn::_reorder_linear_weight"),
-    "GEMM": (
-        "aten::addmm",
-        "aten::mm",
-        "aten::bmm",
-        "aten::matmul",
-        "aten::linear",
-        "aten::baddbmm",
-        "mkldnn::",
-        "mkl::",
-    ),
+    "GEMM": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "mkldnn::", "mkl::"),
     "norms": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
     "activation": ("aten::gelu", "aten::gelu_backward"),
     "embeddings": ("aten::embedding", "aten::index_select", "aten::embedding_dense_backward", "aten::index_add_"),
@@ -105,12 +96,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="4x512,1x4096")
     parser.add_argument("--train", action="store_true", help="profile MLM forward + backward instead")
     parser.add_argument("--ops", action="store_true", help="also print the top aten ops")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="model dtype (bfloat16: weights and activations, `.to`; with --train: bf16 autocast)",
-    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="model dtype (bfloat16: weights and activations, `.to`; with --train: bf16 autocast)")
     parser.add_argument("--builtin", action="store_true", help="profile the built-in RoFormer instead of ours")
     args = parser.parse_args()
     builtin, ours = make_pair(args.layers, 8192, head="mlm" if args.train else "base")
