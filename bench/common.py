@@ -230,12 +230,9 @@ def native_bf16(flags: set[str] | None = None, environ=os.environ) -> bool:
     model's own rule (`native_dtypes`), on these flags. ATen's and MKL's limits do not touch bf16 GEMMs. Without
     it torch emulates bf16 on CPU, several times slower than fp32 (7x measured on an AVX2-only EPYC): the bf16
     benchmarks are skipped there unless asked for."""
-    from modeling_roformer_rope.onednn_roformer_rope import onednn_isa_allows
+    from modeling_roformer_rope.onednn_roformer_rope import native_dtypes
 
-    flags = cpu_flags() if flags is None else flags
-    return ("avx512_bf16" in flags and onednn_isa_allows("bf16", environ)) or (
-        "amx_tile" in flags and onednn_isa_allows("amx", environ)
-    )
+    return native_dtypes(environ, cpu_flags() if flags is None else flags)[torch.bfloat16]
 
 
 def cpu_family_model() -> tuple[str, int, int] | None:
@@ -271,13 +268,8 @@ def microarchitecture(ident: tuple[str, int, int] | None = None) -> str | None:
         if family == 23:
             return "zen2" if model >= 0x30 else "zen1"
     if vendor == "GenuineIntel" and family == 6:
-        return {
-            143: "sapphire-rapids",
-            207: "emerald-rapids",
-            173: "granite-rapids",
-            106: "ice-lake",
-            85: "skylake-cascade-lake",
-        }.get(model)
+        return {143: "sapphire-rapids", 207: "emerald-rapids", 173: "granite-rapids", 106: "ice-lake",
+                85: "skylake-cascade-lake"}.get(model)
     return None
 
 

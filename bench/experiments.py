@@ -203,11 +203,8 @@ def packing_experiment(layers: int, reps: int, shapes, dtype: torch.dtype = torc
                 warmup=2,  # a weight is packed on its second call (MKL: at a row count)
             )
         print(
-            f"| {batch}×{length} | {t.ms('builtin'):.1f} | "
-            + " | ".join(f"{t.ms(p):.1f}" for p in paths)
-            + " | "
-            + " | ".join(f"{t.ratio('builtin', p):.2f}×" for p in paths)
-            + " |",
+            f"| {batch}×{length} | {t.ms('builtin'):.1f} | " + " | ".join(f"{t.ms(p):.1f}" for p in paths) + " | "
+            + " | ".join(f"{t.ratio('builtin', p):.2f}×" for p in paths) + " |",
             flush=True,
         )
     calibration.force("linear_packed", None)
@@ -563,9 +560,7 @@ def op_chain(layers: int, reps: int, shapes) -> None:
                     "built-in": counted("built-in", partial(builtin, **inputs)),
                     "ours": counted("ours", partial(ours, **inputs)),
                     "chain": counted("chain", partial(_chain_forward, base, hidden, cos, sin, None)),
-                    "chain, MLP by 512 rows": counted(
-                        "chain, MLP by 512 rows", partial(_chain_forward, base, hidden, cos, sin, 512)
-                    ),
+                    "chain, MLP by 512 rows": counted("chain, MLP by 512 rows", partial(_chain_forward, base, hidden, cos, sin, 512)),
                 },
                 reps=reps,
             )
@@ -679,9 +674,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shapes", default="4x512,1x4096")
     parser.add_argument("--only", default="gemm_rate,attention_rate,onednn_linear")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="for linear_paths and packing"
-    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for linear_paths and packing")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     start = time.time()

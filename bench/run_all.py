@@ -169,9 +169,7 @@ def summary(sections: dict[str, Section]) -> str:
                     "",
                     f"floor {fmt_ms(r['bf16_floor_s'])} ms",
                     f"{r['bf16_vs_floor']:.2f}× of floor",
-                    mark(
-                        r["bf16_vs_floor"], bench_bf16.FLOOR_GOAL if "amx_bf16" in cpu_flags() else None, higher=False
-                    ),
+                    mark(r["bf16_vs_floor"], bench_bf16.FLOOR_GOAL if "amx_bf16" in cpu_flags() else None, higher=False),
                 ]
             )
     for r in sections["generate"].data["rows"] if "generate" in sections else []:
@@ -268,8 +266,7 @@ def main() -> int:
     parser.add_argument("--out", help="output folder (default: see module docstring)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
     parser.add_argument(
-        "--bf16-emulated",
-        action="store_true",
+        "--bf16-emulated", action="store_true",
         help="time the bf16 forward and bf16 training steps even where bf16 is emulated (no AVX512-BF16/AMX: slow)",
     )
     args = parser.parse_args()

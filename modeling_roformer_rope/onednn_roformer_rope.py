@@ -91,9 +91,7 @@ class Settings:
     onednn: str = "auto"  # oneDNN GEMMs for CPU linears (and the attention kernel): "auto" | "on" | "off"
     onednn_attention: str = "auto"  # our blocked attention kernel where it applies: "auto" | "on" | "off"
     onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
-    pack: str = (
-        "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
-    )
+    pack: str = "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
 
     @property
     def onednn_attention_enabled(self) -> bool:
@@ -184,12 +182,12 @@ def onednn_isa_allows(feature: str, environ=os.environ) -> bool:
     return limit is None or feature in ONEDNN_ISA_LIMITS[limit]
 
 
-def native_dtypes(environ=os.environ) -> dict[torch.dtype, bool]:
+def native_dtypes(environ=os.environ, flags: set[str] | None = None) -> dict[torch.dtype, bool]:
     """Dtypes this process computes in hardware: the CPU has the instructions (AVX512-BF16 or AMX for bf16,
-    AMX-FP16 for fp16) and no oneDNN ISA limit rules them out. Else torch emulates them, several times slower
-    than float32 (bf16 7× on an AVX2-only EPYC)."""
+    AMX-FP16 for fp16; `flags` as /proc/cpuinfo names them, else torch's checks) and no oneDNN ISA limit rules them
+    out. Else torch emulates them, several times slower than float32 (bf16 7× on an AVX2-only EPYC)."""
     has = {
-        name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)()
+        name: name in flags if flags is not None else getattr(torch.cpu, f"_is_{name}_supported", lambda: False)()
         for name in ("avx512_bf16", "amx_tile", "amx_fp16")
     }
     return {
@@ -493,9 +491,7 @@ def linear(
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
             # back through the casts in float32), but through the node below: its backward skips zero gradient rows.
             low = [t if t is None else t.to(torch.bfloat16) for t in (x, weight, bias)]
-            if (
-                not grad and x.numel() > 0
-            ):  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
+            if not grad and x.numel() > 0:  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
                 x2d = low[0].reshape(-1, x.shape[-1])  # (N, I)
                 return _inference_linear(x2d, low[1], low[2], True).view(*x.shape[:-1], weight.shape[0])  # (..., O)
             with torch.autocast("cpu", enabled=False):
