@@ -37,18 +37,21 @@ BASE = dict(
 )
 
 
-def builtin_config(layers: int, max_positions: int) -> transformers.RoFormerConfig:
-    """Base-size built-in config; `max_positions` must cover the longest length run (its sinusoid table)."""
-    return transformers.RoFormerConfig(**BASE, num_hidden_layers=layers, max_position_embeddings=max_positions)
+def builtin_config(layers: int, max_positions: int, **overrides) -> transformers.RoFormerConfig:
+    """Base-size built-in config; `max_positions` must cover the longest length run (its sinusoid table);
+    `overrides` replace BASE fields (a narrow model: hidden_size, num_attention_heads, intermediate_size ...)."""
+    return transformers.RoFormerConfig(
+        **{**BASE, **overrides}, num_hidden_layers=layers, max_position_embeddings=max_positions
+    )
 
 
 def make_pair(
-    layers: int, max_positions: int = 8192, head: str = "base", attn: str = "sdpa", seed: int = 0
+    layers: int, max_positions: int = 8192, head: str = "base", attn: str = "sdpa", seed: int = 0, **overrides
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(built-in, ours) with identical random weights. head: "base" (the encoder), "mlm" or "causal" (a decoder with
-    the LM head, for generation)."""
+    the LM head, for generation); `overrides`: config fields other than base width's (`builtin_config`)."""
     torch.manual_seed(seed)
-    config = builtin_config(layers, max_positions)
+    config = builtin_config(layers, max_positions, **overrides)
     if head == "causal":
         config.is_decoder = True
     cls = {"base": transformers.RoFormerModel, "mlm": transformers.RoFormerForMaskedLM,

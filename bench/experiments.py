@@ -21,6 +21,8 @@ Experiments
   skips them), `ne(0).any` vs one `any` reduction, bf16 and float32, at B·T rows × 50000 words, 15% of rows labelled.
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here.
+- small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
+  built-in vs ours, and ours with each linear's inference plan decided on every call instead of remembered.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
@@ -668,6 +670,62 @@ def zero_rows(reps: int, shapes) -> None:
             del go, paths
 
 
+# Narrow models on short inputs, where a forward is a few hundred small kernels and the Python around them weighs:
+# (hidden size, heads, layers, batch, length).
+SMALL_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), (128, 4, 4, 1, 128), (256, 4, 4, 8, 128))
+
+
+def small_models(reps: int, block_seconds: float = 0.02) -> None:
+    """Forward of narrow models (vocab 5000) on short inputs, fp32, built-in vs ours, and ours with each linear's
+    inference plan decided again on every call (as before `_inference_choice` remembered it): interleaved blocks of
+    as many calls as fill ~`block_seconds`, `reps`·8 blocks, medians per call."""
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    remembered = fast._inference_choice
+
+    def decided_each_call(x2d, weight, bias, onednn=None, traced=None):
+        onednn = fast._onednn_applies(x2d, weight) if onednn is None else onednn
+        return fast._decide_inference(x2d, weight, bias, onednn, fast.tracing() if traced is None else traced)
+
+    def with_choice(choice, model, inputs, calls):
+        def run():
+            fast._inference_choice = choice
+            try:
+                for _ in range(calls):
+                    model(**inputs)
+            finally:
+                fast._inference_choice = remembered
+
+        return run
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| head | hidden × layers | B×T | built-in µs | ours µs | ours, plan decided per call µs | built-in / ours "
+          "| built-in / ours, plan per call |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for head in ("base", "mlm"):
+        for hidden, heads, layers, batch, length in SMALL_MODELS:
+            builtin, ours = make_pair(
+                layers, 512, head, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                vocab_size=5000,
+            )  # fmt: skip
+            inputs = random_batch(batch, length, vocab=5000, pad=batch > 1)
+            with torch.no_grad():
+                check_parity(builtin, ours, inputs)
+                start = time.perf_counter()
+                builtin(**inputs)
+                calls = max(1, round(block_seconds / (time.perf_counter() - start)))
+                t = interleaved(
+                    {"built-in": with_choice(remembered, builtin, inputs, calls),
+                     "ours": with_choice(remembered, ours, inputs, calls),
+                     "per_call": with_choice(decided_each_call, ours, inputs, calls)},
+                    reps=8 * reps, warmup=2,
+                )  # fmt: skip
+            us = {name: 1e6 * t.median(name) / calls for name in t.times}
+            print(f"| {head} | {hidden} × {layers} | {batch}×{length} | {us['built-in']:.0f} | {us['ours']:.0f} | "
+                  f"{us['per_call']:.0f} | {t.ratio('built-in', 'ours'):.2f}× | {t.ratio('built-in', 'per_call'):.2f}× |",
+                  flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -707,6 +765,8 @@ def main() -> None:
             zero_rows(args.reps, shapes)
         elif name == "decode_step":
             decode_step(args.layers, args.reps)
+        elif name == "small_models":
+            small_models(args.reps)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")

@@ -47,6 +47,22 @@ _environment = _forced_by_environment(os.environ.get("ROFORMER_ROPE_FORCE", ""))
 _forced.update(_environment)
 
 
+_memos: list[dict] = []
+
+
+def memo() -> dict:
+    """A new dict for answers derived from the choices (a caller's whole plan for a shape class), emptied whenever
+    a choice may change: by `force` and `reset`."""
+    derived: dict = {}
+    _memos.append(derived)
+    return derived
+
+
+def _forget_derived() -> None:
+    for derived in _memos:
+        derived.clear()
+
+
 def force(kind: str, path: str | None) -> None:
     """Force the `kind` decision (one of KINDS) to `path`; None = measure again."""
     if kind not in KINDS:
@@ -54,6 +70,7 @@ def force(kind: str, path: str | None) -> None:
     _forced[kind] = path
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]
+    _forget_derived()
 
 
 def force_default(kind: str, path: str) -> None:
@@ -70,6 +87,7 @@ def forced(kind: str) -> str | None:
 def reset() -> None:
     _choices.clear()
     _timings.clear()
+    _forget_derived()
 
 
 ROUNDS = 5  # timed rounds per decision, after one untimed warm-up call of each candidate
@@ -161,4 +179,6 @@ def length_bucket(length: int) -> int:
     return bucket
 
 
-__all__ = ["KINDS", "choose", "decisions", "force", "force_default", "forced", "length_bucket", "reset", "row_bucket"]
+__all__ = [
+    "KINDS", "choose", "decisions", "force", "force_default", "forced", "length_bucket", "memo", "reset", "row_bucket"
+]  # fmt: skip

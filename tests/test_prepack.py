@@ -268,6 +268,38 @@ def test_packing_switches_apply_to_both_kinds(monkeypatch):
 
 
 @torch.no_grad()
+def test_a_remembered_plan_serves_only_what_it_was_made_for(packing, monkeypatch):
+    """`_inference_choice` remembers each shape class's plan: a weight of the same shapes that must not be packed (a
+    ZeRO-3 parameter, a non-contiguous one) is not packed after one that was, a changed decision or switch is
+    followed at once, and every output equals `F.linear`."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 48)
+    plain, zero3, strided = (fast.RoFormerRopeLinear(48, 40) for _ in range(3))
+    zero3.weight.ds_id = 3
+    strided.weight = torch.nn.Parameter(torch.randn(48, 40).t())  # (40, 48), non-contiguous
+    for layer in (plain, zero3, strided):
+        for _ in range(3):
+            _close(layer(x), layer, x)
+    assert prepack.pack_kinds(plain.weight) == ["mkl"] and packing == [16, 16]
+    assert prepack.pack_kinds(zero3.weight) == prepack.pack_kinds(strided.weight) == []
+
+    if fast._LINEAR_POINTWISE is not None:
+        calibration.force("linear_packed", "unpacked")
+        try:
+            for path, gemm in (("onednn", fast._mm), ("torch", F.linear), ("onednn", fast._mm)):
+                calibration.force("linear", path)
+                assert fast._inference_choice(x, plain.weight, plain.bias) == (gemm, None)
+        finally:
+            calibration.force("linear", None)
+            calibration.force("linear_packed", "packed")
+    assert fast._inference_choice(x, plain.weight, plain.bias)[1] == "mkl"
+    monkeypatch.setattr(fast, "settings", fast.Settings(pack="off"))
+    assert fast._inference_choice(x, plain.weight, plain.bias)[1] is None
+    monkeypatch.undo()
+    assert fast._inference_choice(x, plain.weight, plain.bias)[1] == "mkl"
+
+
+@torch.no_grad()
 def test_gelu_epilogue_on_the_onednn_pack(onednn_packing):
     """"fused_packed": the GELU runs in oneDNN's epilogue of the packed GEMM from the weight's second call on."""
     from transformers.activations import ACT2FN
