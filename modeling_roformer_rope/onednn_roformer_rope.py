@@ -445,7 +445,7 @@ def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 # `_decide_inference`'s answers, by everything they depend on: deciding again walks five checks and two lookups,
-# ~4 µs of Python per linear call, 3-5% of a forward of a 2-layer, 64-wide model on 16-256 tokens (Zen 5 EPYC,
+# 3-5% of a forward of a 2-layer, 64-wide model on 16-256 tokens (Zen 5 EPYC,
 # `python bench/experiments.py --only small_models`).
 # Cleared when a choice may change (`calibration.force` / `reset`) and when `settings` is replaced.
 _plans = memo()
