@@ -226,9 +226,27 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
     return _LINEAR_POINTWISE(x, weight, bias, "none", [], "")
 
 
+def _emulated(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A CPU bf16/fp16 GEMM (weight in x's dtype) that this process has no instructions for (`native_dtypes`)."""
+    return x.device.type == "cpu" and weight.dtype == x.dtype and not _NATIVE.get(x.dtype, True) and x.numel() > 0
+
+
+def _upcast_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2d (N, I) · weightᵀ + bias in bf16/fp16, computed as a float32 GEMM rounded to their dtype → (N, O).
+
+    The same numbers as torch's emulated kernel, several times sooner: a product of two bf16 (8-bit significand)
+    or fp16 (11-bit) numbers is exact in float32 (24 bits) and that kernel accumulates in float32 too, so the two
+    differ only in the order of the float32 additions. The float32 GEMM is the faster of oneDNN and `F.linear`."""
+    with torch.autocast("cpu", enabled=False):  # under autocast, the float32 GEMM would cast its operands back
+        x32, w32 = x2d.float(), weight.float()  # (N, I), (O, I)
+        b32 = None if bias is None else bias.float()
+        return _unpacked_gemm(x32, w32, b32, _LINEAR_POINTWISE is not None)(x32, w32, b32).to(x2d.dtype)  # (N, O)
+
+
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x Wᵀ + b (x flattened to (N, I)); each GEMM, forward and backward, on oneDNN or BLAS, whichever is
-    faster for its shape class on this CPU. One autograd node whatever the choice: see `linear`."""
+    """y = x Wᵀ + b (x flattened to (N, I)); each GEMM, forward and backward, on oneDNN or BLAS (or, for a dtype the
+    CPU emulates, in float32: `_upcast_linear`), whichever is faster for its shape class on this CPU. One autograd
+    node whatever the choice: see `linear`."""
 
     @staticmethod
     def forward(
@@ -239,7 +257,9 @@ class _OneDNNLinear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.input_shape = x.shape
         ctx.zero_rows = zero_rows
-        if _forward_choice(x2d, weight, bias) == "onednn":
+        if _emulated(x2d, weight):
+            y = (_upcast_linear if _emulated_choice(x2d, weight, bias) == "upcast" else F.linear)(x2d, weight, bias)
+        elif _forward_choice(x2d, weight, bias) == "onednn":
             y = _mm(x2d, weight, bias)  # (N, O)
         else:
             y = x2d.mm(weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())  # (N, O), = F.linear
@@ -253,17 +273,31 @@ class _OneDNNLinear(torch.autograd.Function):
             sparse = _backward_on_nonzero_rows(ctx, go, x2d, weight)
             if sparse is not None:
                 return sparse
-        grad_x = grad_w = grad_b = None
-        use_onednn = _backward_choice(go, x2d, weight) == "onednn"
-        if ctx.needs_input_grad[0]:
-            # grad_x = go · W: on oneDNN a linear layer whose "weight" is Wᵀ (I, O).
-            grad_x = (_mm(go, weight.t().contiguous(), None) if use_onednn else go.mm(weight)).view(ctx.input_shape)
-        if ctx.needs_input_grad[1]:
-            # grad_W = goᵀ · x: on oneDNN a linear layer on goᵀ (O, N) whose "weight" is xᵀ (I, N).
-            grad_w = _mm(go.t().contiguous(), x2d.t().contiguous(), None) if use_onednn else go.t().mm(x2d)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = go.sum(0)
-        return grad_x, grad_w, grad_b, None
+        if _emulated(go, weight):
+            path = _emulated_backward_choice(go, x2d, weight)
+        else:
+            path = _backward_choice(go, x2d, weight)
+        grad_x, grad_w = _grad_gemms(go, x2d, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1], path)
+        grad_b = go.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # (O,)
+        return None if grad_x is None else grad_x.view(ctx.input_shape), grad_w, grad_b, None
+
+
+def _grad_gemms(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool, path: str):
+    """go (N, O), x2d (N, I), weight (O, I) → (grad_x = go·W (N, I), grad_W = goᵀ·x (O, I)), each only if needed, on
+    `path`: "onednn", "torch" (BLAS `mm`, reads transposes in place) or "upcast" (bf16/fp16 operands multiplied in
+    float32 on the float32 path measured faster, the results rounded back: see `_upcast_linear`)."""
+    if path == "upcast":
+        with torch.autocast("cpu", enabled=False):  # a backward run under autocast would cast float32 `mm`s back
+            g32, x32, w32 = go.float(), x2d.float(), weight.float()  # (N, O), (N, I), (O, I)
+            path32 = _backward_choice(g32, x32, w32) if _LINEAR_POINTWISE is not None else "torch"
+            grads = _grad_gemms(g32, x32, w32, need_x, need_w, path32)
+        return tuple(None if g is None else g.to(go.dtype) for g in grads)
+    if path == "onednn":
+        # grad_x: on oneDNN a linear layer whose "weight" is Wᵀ (I, O); grad_W: one on goᵀ (O, N) with "weight" xᵀ (I, N)
+        grad_x = _mm(go, weight.t().contiguous(), None) if need_x else None
+        grad_w = _mm(go.t().contiguous(), x2d.t().contiguous(), None) if need_w else None
+        return grad_x, grad_w
+    return go.mm(weight) if need_x else None, go.t().mm(x2d) if need_w else None
 
 
 def _backward_on_nonzero_rows(ctx, go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor):
@@ -282,13 +316,11 @@ def _backward_on_nonzero_rows(ctx, go: torch.Tensor, x2d: torch.Tensor, weight: 
     if rows.numel() * 2 > go.shape[0]:
         return None
     go_m, x_m = go.index_select(0, rows), x2d.index_select(0, rows)  # (M, O), (M, I)
-    grad_x = grad_w = grad_b = None
-    if ctx.needs_input_grad[0]:
-        grad_x = x2d.new_zeros(x2d.shape).index_copy_(0, rows, go_m.mm(weight)).view(ctx.input_shape)  # (..., I)
-    if ctx.needs_input_grad[1]:
-        grad_w = go_m.t().mm(x_m)  # (O, I)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_b = go_m.sum(0)  # (O,)
+    path = _emulated_backward_choice(go_m, x_m, weight) if _emulated(go_m, weight) else "torch"
+    grad_x, grad_w = _grad_gemms(go_m, x_m, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1], path)
+    if grad_x is not None:
+        grad_x = x2d.new_zeros(x2d.shape).index_copy_(0, rows, grad_x).view(ctx.input_shape)  # (..., I)
+    grad_b = go_m.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # (O,)
     return grad_x, grad_w, grad_b, None
 
 
@@ -315,6 +347,37 @@ def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) 
     return choose(key, candidates)
 
 
+# An emulated GEMM runs at 16-25 GFLOP/s (bf16 on an AVX2-only EPYC, fp16 on a Zen 5 one): timed on 256 rows, a
+# vocabulary projection would take seconds to decide. Fewer rows stand for more: the float32 path's lead only grows
+# with the rows, as its fixed cost (converting the weight) is shared by more of them (Zen 5 EPYC limited to AVX2,
+# 768x3072 bf16: float32 0.3× at 1 row, 1.8× at 16, 3.3-3.6× at 256, 3.4-4.0× at 2048).
+_EMULATED_PROXY_ROWS = 32
+
+
+def _emulated_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """The faster of "upcast" (`_upcast_linear`) and "torch" (`F.linear`, torch's emulated kernel) for a bf16/fp16
+    GEMM the CPU has no instructions for, measured once per shape class."""
+    key = ("linear_emulated", "forward", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
+
+    def candidates():
+        proxy = x2d.detach()[:_EMULATED_PROXY_ROWS].contiguous()  # (≤ 32, I)
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        return {"upcast": lambda: _upcast_linear(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)}
+
+    return choose(key, candidates)
+
+
+def _emulated_backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> str:
+    """`_emulated_choice` for the backward GEMMs (`_grad_gemms`)."""
+    key = ("linear_emulated", "backward", str(go.dtype), weight.shape[1], weight.shape[0], row_bucket(go.shape[0]))
+
+    def candidates():
+        g, x = go[:_EMULATED_PROXY_ROWS], x2d[:_EMULATED_PROXY_ROWS]
+        return {path: functools.partial(_grad_gemms, g, x, weight, True, True, path) for path in ("upcast", "torch")}
+
+    return choose(key, candidates)
+
+
 def _onednn_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None = None) -> bool:
     """oneDNN's GEMM can run this linear (`traced`: `tracing()` if the caller has it already)."""
     return (
@@ -328,16 +391,13 @@ def _onednn_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None =
     )
 
 
-def _autocast_to_native_bf16(x: torch.Tensor) -> bool:
-    """CPU autocast to bf16 on a CPU with bf16 instructions, eager, oneDNN available."""
+def _autocast_to_bf16(x: torch.Tensor) -> bool:
+    """CPU autocast to bf16 around a float32/bf16 input (the caller checks tracing)."""
     return (
-        _LINEAR_POINTWISE is not None
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and torch.is_autocast_enabled("cpu")
         and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and _NATIVE[torch.bfloat16]
         and x.dtype in (torch.float32, torch.bfloat16)
-        and not tracing()
     )
 
 
@@ -398,9 +458,12 @@ def _onednn_packing_applies(x: torch.Tensor, weight: torch.Tensor, onednn: bool)
 
 def _unpacked_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None):
     """The faster of oneDNN (`_mm`) and `F.linear` for this shape class (`F.linear` where oneDNN does not apply;
-    `onednn`: `_onednn_applies` if the caller has it already)."""
+    `onednn`: `_onednn_applies` if the caller has it already); for a dtype the CPU emulates, the faster of
+    `_upcast_linear` and `F.linear`."""
     if (_onednn_applies(x2d, weight) if onednn is None else onednn) and _forward_choice(x2d, weight, bias) == "onednn":
         return _mm
+    if _emulated(x2d, weight) and _emulated_choice(x2d, weight, bias) == "upcast":
+        return _upcast_linear
     return F.linear
 
 
@@ -513,16 +576,20 @@ def linear(
         forget(weight)  # training is about to change the weight: free its inference pack now
     onednn = _onednn_applies(x, weight, traced)
     if not onednn and (grad or not _packing_applies(x, weight, traced)):
-        if not traced and _autocast_to_native_bf16(x):
+        if not traced and _autocast_to_bf16(x):
             # What CPU autocast does to a linear (inputs cast to bf16, a bf16 GEMM, a bf16 output; gradients flow
-            # back through the casts in float32), but through the node below: its backward skips zero gradient rows.
+            # back through the casts in float32), but through the node below: its backward skips zero gradient rows,
+            # and where the CPU emulates bf16 its GEMMs may run in float32 (`_upcast_linear`).
             low = [t if t is None else t.to(torch.bfloat16) for t in (x, weight, bias)]
-            if not grad and x.numel() > 0:  # inference: the bf16 GEMM measured fastest, called directly (autocast leaves bf16 as is)
+            # inference: the GEMM measured fastest, called directly (autocast leaves bf16 as is)
+            if not grad and x.numel() > 0:
                 x2d = low[0].reshape(-1, x.shape[-1])  # (N, I)
-                return _inference_linear(x2d, low[1], low[2], True).view(*x.shape[:-1], weight.shape[0])  # (..., O)
+                onednn = _NATIVE[torch.bfloat16] and _LINEAR_POINTWISE is not None
+                return _inference_linear(x2d, low[1], low[2], onednn).view(*x.shape[:-1], weight.shape[0])  # (..., O)
             with torch.autocast("cpu", enabled=False):
                 return linear(*low, zero_grad_rows)
-        return F.linear(x, weight, bias)
+        if traced or torch.is_autocast_enabled("cpu") or not _emulated(x, weight):
+            return F.linear(x, weight, bias)
     if grad:
         # Training: always this one autograd node, the kernels chosen inside. The autograd graph must not depend
         # on a per-process timing: it fixes the order in which gradients become ready, which DeepSpeed ZeRO and

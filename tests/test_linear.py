@@ -57,12 +57,14 @@ def test_no_grad_path_and_noncontiguous_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_falls_back_for_other_dtypes_and_under_compile(dtype):
-    """fp16 always, bf16 where the CPU emulates it, runs F.linear; bf16 with AVX512-BF16/AMX may take oneDNN."""
+def test_other_dtypes_take_the_node_where_it_has_a_kernel_and_compile_falls_back(dtype):
+    """bf16 with AVX512-BF16/AMX takes the node (oneDNN may run it), and so does a dtype the CPU emulates (its GEMMs
+    may run in float32: `_upcast_linear`); fp16 with AMX-FP16 runs F.linear. Under torch.compile: F.linear."""
     module = lin.RoFormerRopeLinear(16, 8).to(dtype)
     x = torch.randn(3, 16, dtype=dtype, requires_grad=True)
     out = module(x)
-    eligible = dtype == torch.bfloat16 and lin._NATIVE[torch.bfloat16] and lin._LINEAR_POINTWISE is not None
+    native = lin._NATIVE[dtype]
+    eligible = not native or (dtype == torch.bfloat16 and lin._LINEAR_POINTWISE is not None)
     assert ("OneDNN" in type(out.grad_fn).__name__) == eligible
     torch.testing.assert_close(out, F.linear(x, module.weight, module.bias), atol=1e-2, rtol=1e-2)
     compiled = torch.compile(lin.RoFormerRopeLinear(16, 8), fullgraph=True)
