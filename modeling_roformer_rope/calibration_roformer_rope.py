@@ -91,6 +91,9 @@ def reset() -> None:
 
 
 ROUNDS = 5  # timed rounds per decision, after one untimed warm-up call of each candidate
+# A candidate FAR times slower than the leader after two timed rounds is not timed again: it cannot win, and some
+# lose by seconds (an emulated bf16 backward GEMM, 0.2-3 s a call where the float32 one takes 10-130 ms).
+FAR = 3.0
 
 
 def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
@@ -100,9 +103,10 @@ def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -
     wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
     on Sapphire Rapids between GEMMs 6-18% apart); the best of the rounds drops the interruptions."""
     best = dict.fromkeys(candidates, float("inf"))
+    beaten: set[str] = set()
     for round_ in range(ROUNDS + 1):  # round 0: the untimed warm-up (first-call allocations, oneDNN primitives)
         for name, fn in candidates.items():
-            if name not in best:
+            if name not in best or name in beaten:
                 continue
             start = time.perf_counter()
             try:
@@ -113,6 +117,9 @@ def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -
                 continue
             if round_:
                 best[name] = min(best[name], time.perf_counter() - start)
+        if round_ >= 2 and best:
+            leader = min(best.values())
+            beaten.update(name for name, seconds in best.items() if seconds > FAR * leader)
     return best
 
 

@@ -4,8 +4,9 @@ What lives here (and nowhere else):
 - `settings`: the `ROFORMER_ROPE_*` switches, read once at import; a malformed value is ignored with a warning,
   never an import error.
 - the dispatch: oneDNN or `F.linear` for each GEMM (forward and backward) is whichever is faster *on this CPU*,
-  measured once per shape class (`calibration_roformer_rope.py`); a bf16/fp16 model on a CPU without native
-  support for its dtype logs one warning (it runs several times slower than float32 there).
+  measured once per shape class (`calibration_roformer_rope.py`); a bf16/fp16 GEMM on a CPU without instructions
+  for its dtype is computed in float32 (`_upcast_linear`, the same numbers) where that measures faster than torch's
+  emulated kernel, and such a model logs one warning (the rest of it is still emulated: float32 is faster there).
 - `tracing()`: torch.compile / export / jit / ONNX tracing, where every eager-only path steps aside.
 - `RoFormerRopeLinear` / `linear`: `nn.Linear` whose CPU float32 GEMMs (forward *and* backward) run on oneDNN;
   at inference also MKL's or oneDNN's GEMM on a weight packed once (`prepack_roformer_rope.py`), where faster.
@@ -231,16 +232,52 @@ def _emulated(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.device.type == "cpu" and weight.dtype == x.dtype and not _NATIVE.get(x.dtype, True) and x.numel() > 0
 
 
+# An emulated dtype's GEMM in float32 converts the weight slice by slice, each slice used at once while it is in
+# cache: converting a vocabulary projection (50000×768 bf16) whole took 41 ms (out of cache, 1 ns per element), and
+# at 32-77 rows that made the float32 GEMM slower than torch's emulated one (75 against 54 ms at 32 rows); slices of
+# 1024-4096 outputs took 19-24 ms and 36-42 ms at 77 (Zen 5 EPYC limited to AVX2).
+_UPCAST_SLICE = 1 << 20  # weight elements converted at a time (4 MiB in float32)
+
+
+def _weight_slices(weight: torch.Tensor) -> list[slice]:
+    """Ranges of output features (weight rows) of ≤ _UPCAST_SLICE weight elements each."""
+    step = max(1, _UPCAST_SLICE // max(1, weight.shape[1]))
+    return [slice(start, start + step) for start in range(0, weight.shape[0], step)]
+
+
 def _upcast_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d (N, I) · weightᵀ + bias in bf16/fp16, computed as a float32 GEMM rounded to their dtype → (N, O).
+    """x2d (N, I) · weightᵀ + bias in bf16/fp16, computed as float32 GEMMs rounded to their dtype → (N, O).
 
     The same numbers as torch's emulated kernel, several times sooner: a product of two bf16 (8-bit significand)
     or fp16 (11-bit) numbers is exact in float32 (24 bits) and that kernel accumulates in float32 too, so the two
-    differ only in the order of the float32 additions. The float32 GEMM is the faster of oneDNN and `F.linear`."""
+    differ only in the order of the float32 additions. Each float32 GEMM is the faster of oneDNN and `F.linear`."""
     with torch.autocast("cpu", enabled=False):  # under autocast, the float32 GEMM would cast its operands back
-        x32, w32 = x2d.float(), weight.float()  # (N, I), (O, I)
-        b32 = None if bias is None else bias.float()
-        return _unpacked_gemm(x32, w32, b32, _LINEAR_POINTWISE is not None)(x32, w32, b32).to(x2d.dtype)  # (N, O)
+        x32 = x2d.float()  # (N, I)
+        onednn = _LINEAR_POINTWISE is not None and x32.numel() > 0
+        out = x2d.new_empty(x2d.shape[0], weight.shape[0])  # (N, O) in x's dtype
+        for rows in _weight_slices(weight):
+            w32 = weight[rows].float()  # (C, I)
+            b32 = None if bias is None else bias[rows].float()  # (C,)
+            out[:, rows] = _unpacked_gemm(x32, w32, b32, onednn)(x32, w32, b32)  # (N, C), rounded into place
+        return out
+
+
+def _upcast_grad_gemms(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool):
+    """`_grad_gemms` for bf16/fp16 operands in float32, one weight slice at a time (`_upcast_linear`): grad_x sums
+    the slices' go[:, C]·W[C] in float32, grad_W[C] = go[:, C]ᵀ·x; both rounded to the dtype."""
+    with torch.autocast("cpu", enabled=False):  # a backward run under autocast would cast float32 `mm`s back
+        x32 = x2d.float()  # (N, I)
+        grad_x = x32.new_zeros(x2d.shape) if need_x else None  # (N, I), float32 until the end
+        grad_w = weight.new_empty(weight.shape) if need_w else None  # (O, I)
+        for rows in _weight_slices(weight):
+            g32, w32 = go[:, rows].float(), weight[rows].float()  # (N, C), (C, I)
+            path = _backward_choice(g32, x32, w32) if _LINEAR_POINTWISE is not None and g32.numel() else "torch"
+            part_x, part_w = _grad_gemms(g32, x32, w32, need_x, need_w, path)
+            if need_x:
+                grad_x += part_x
+            if need_w:
+                grad_w[rows] = part_w
+        return None if grad_x is None else grad_x.to(go.dtype), grad_w
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -284,14 +321,9 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def _grad_gemms(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool, path: str):
     """go (N, O), x2d (N, I), weight (O, I) → (grad_x = go·W (N, I), grad_W = goᵀ·x (O, I)), each only if needed, on
-    `path`: "onednn", "torch" (BLAS `mm`, reads transposes in place) or "upcast" (bf16/fp16 operands multiplied in
-    float32 on the float32 path measured faster, the results rounded back: see `_upcast_linear`)."""
+    `path`: "onednn", "torch" (BLAS `mm`, reads transposes in place) or "upcast" (`_upcast_grad_gemms`)."""
     if path == "upcast":
-        with torch.autocast("cpu", enabled=False):  # a backward run under autocast would cast float32 `mm`s back
-            g32, x32, w32 = go.float(), x2d.float(), weight.float()  # (N, O), (N, I), (O, I)
-            path32 = _backward_choice(g32, x32, w32) if _LINEAR_POINTWISE is not None else "torch"
-            grads = _grad_gemms(g32, x32, w32, need_x, need_w, path32)
-        return tuple(None if g is None else g.to(go.dtype) for g in grads)
+        return _upcast_grad_gemms(go, x2d, weight, need_x, need_w)
     if path == "onednn":
         # grad_x: on oneDNN a linear layer whose "weight" is Wᵀ (I, O); grad_W: one on goᵀ (O, N) with "weight" xᵀ (I, N)
         grad_x = _mm(go, weight.t().contiguous(), None) if need_x else None
@@ -347,11 +379,19 @@ def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) 
     return choose(key, candidates)
 
 
-# An emulated GEMM runs at 16-25 GFLOP/s (bf16 on an AVX2-only EPYC, fp16 on a Zen 5 one): timed on 256 rows, a
-# vocabulary projection would take seconds to decide. Fewer rows stand for more: the float32 path's lead only grows
-# with the rows, as its fixed cost (converting the weight) is shared by more of them (Zen 5 EPYC limited to AVX2,
-# 768x3072 bf16: float32 0.3× at 1 row, 1.8× at 16, 3.3-3.6× at 256, 3.4-4.0× at 2048).
-_EMULATED_PROXY_ROWS = 32
+# An emulated GEMM is slow to time (bf16 16-60 GFLOP/s forward on AVX2; its backward's goᵀ·x 1.4 GFLOP/s at the
+# vocabulary projection, 3.4 s on 32 rows, Zen 5 EPYC limited to AVX2), so the two paths are timed on at most 64
+# rows and one weight slice of outputs: the float32 path's time is one slice's times the slices, and its lead only
+# grows with the rows (each slice's conversion is shared by more of them), so a class won on 64 rows stays won.
+_EMULATED_PROXY_ROWS = 64
+
+
+def _emulated_proxy(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, outputs_of_a: bool):
+    """The first rows of `a` (x2d, or go with its columns cut to the slice: `outputs_of_a`) and the first weight slice."""
+    rows = _weight_slices(weight)[0] if weight.shape[0] else slice(0, 0)
+    a = a.detach()[:_EMULATED_PROXY_ROWS]
+    a = (a[:, rows] if outputs_of_a else a).contiguous()  # (≤ 64, C) or (≤ 64, I)
+    return a, weight.detach()[rows], None if bias is None else bias.detach()[rows]
 
 
 def _emulated_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -360,8 +400,7 @@ def _emulated_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     key = ("linear_emulated", "forward", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
 
     def candidates():
-        proxy = x2d.detach()[:_EMULATED_PROXY_ROWS].contiguous()  # (≤ 32, I)
-        w, b = weight.detach(), None if bias is None else bias.detach()
+        proxy, w, b = _emulated_proxy(x2d, weight, bias, False)  # (≤ 64, I), (C, I), (C,)
         return {"upcast": lambda: _upcast_linear(proxy, w, b), "torch": lambda: F.linear(proxy, w, b)}
 
     return choose(key, candidates)
@@ -372,8 +411,9 @@ def _emulated_backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch
     key = ("linear_emulated", "backward", str(go.dtype), weight.shape[1], weight.shape[0], row_bucket(go.shape[0]))
 
     def candidates():
-        g, x = go[:_EMULATED_PROXY_ROWS], x2d[:_EMULATED_PROXY_ROWS]
-        return {path: functools.partial(_grad_gemms, g, x, weight, True, True, path) for path in ("upcast", "torch")}
+        g, w, _ = _emulated_proxy(go, weight, None, True)  # (≤ 64, C), (C, I)
+        x = x2d[:_EMULATED_PROXY_ROWS]  # (≤ 64, I)
+        return {path: functools.partial(_grad_gemms, g, x, w, True, True, path) for path in ("upcast", "torch")}
 
     return choose(key, candidates)
 
