@@ -231,8 +231,8 @@ def isa_level(flags: set[str] | None = None, environ=os.environ) -> str:
 def native_bf16(flags: set[str] | None = None, environ=os.environ) -> bool:
     """bf16 arithmetic in hardware (AVX512-BF16 or AMX) that oneDNN, which runs every bf16 GEMM, may use: the
     model's own rule (`native_dtypes`), on these flags. ATen's and MKL's limits do not touch bf16 GEMMs. Without
-    it torch emulates bf16 on CPU, several times slower than fp32 (7x measured on an AVX2-only EPYC): the bf16
-    benchmarks are skipped there unless asked for."""
+    it torch emulates bf16 on CPU (its GEMM 7x slower than fp32 on an AVX2-only EPYC; the built-in's bf16 training
+    step took a minute where its fp32 one took a second): the bf16 benchmarks are skipped there unless asked for."""
     from modeling_roformer_rope.onednn_roformer_rope import native_dtypes
 
     return native_dtypes(environ, cpu_flags() if flags is None else flags)[torch.bfloat16]

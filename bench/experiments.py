@@ -23,6 +23,9 @@ Experiments
   it takes to read every linear weight once at the float32 read bandwidth measured here.
 - small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
   built-in vs ours, and ours with each linear's inference plan decided on every call instead of remembered.
+- emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
+  emulated GEMM vs the float32 GEMM on converted operands, whole weight vs slice by slice (`_upcast_linear`),
+  forward and backward, with each one's error against the rounded float32 product.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
@@ -726,6 +729,63 @@ def small_models(reps: int, block_seconds: float = 0.02) -> None:
                   flush=True)  # fmt: skip
 
 
+# (in, out, rows measured forward, rows measured backward): the encoder's MLP shapes and the vocabulary projection.
+# The backward's emulated goᵀ·x is slow enough (1.4 GFLOP/s at the projection) that its rows stay few there.
+EMULATED_SHAPES = ((768, 3072, (1, 16, 32, 77, 256, 2048), (32, 256)), (3072, 768, (1, 16, 256, 2048), (32, 256)),
+                   (768, 50000, (32, 77, 256, 512), (32,)))  # fmt: skip
+
+
+def emulated_gemm(reps: int) -> None:
+    """For each dtype this process emulates (no instructions for it): torch's emulated kernel vs the float32 GEMM
+    on converted operands, the whole weight converted at once vs slice by slice (`_upcast_linear`), forward; and
+    the two backward GEMMs (go·W, goᵀ·x) vs `_upcast_grad_gemms`. Error columns: largest difference from the
+    float32 product rounded to the dtype, in units of the dtype's spacing at the output's magnitude."""
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    dtypes = [dtype for dtype, native in fast._NATIVE.items() if not native]
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}; emulated here: {dtypes or 'none'}")
+    if not dtypes:
+        return
+
+    def whole(x, w, b):
+        return F.linear(x.float(), w.float(), b.float()).to(x.dtype)
+
+    def spacings(got, want):  # max |got − want| over the dtype's spacing at |want|
+        spacing = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
+        return ((got.float() - want.float()).abs() / spacing).max().item()
+
+    print("| dtype | rows × in → out | emulated ms | float32, whole weight ms | float32, sliced ms | emulated / sliced "
+          "| error emulated / sliced (spacings) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for dtype in dtypes:
+            for k, n, rows_list, _ in EMULATED_SHAPES:
+                w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+                for rows in rows_list:
+                    x = torch.randn(rows, k).to(dtype)
+                    paths = {"emulated": partial(F.linear, x, w, b), "whole": partial(whole, x, w, b),
+                             "sliced": partial(fast._upcast_linear, x, w, b)}  # fmt: skip
+                    t = interleaved(paths, reps=reps if rows * k * n < 2**31 else 2, warmup=1)
+                    exact = whole(x, w, b)
+                    print(f"| {dtype} | {rows} × {k} → {n} | {t.ms('emulated'):.2f} | {t.ms('whole'):.2f} | "
+                          f"{t.ms('sliced'):.2f} | {t.ratio('emulated', 'sliced'):.2f}× | "
+                          f"{spacings(F.linear(x, w, b), exact):.2f} / {spacings(fast._upcast_linear(x, w, b), exact):.2f} |",
+                          flush=True)  # fmt: skip
+        print()
+        print("| dtype | backward, rows × in → out | emulated go·W + goᵀ·x ms | float32, sliced ms | emulated / sliced |")
+        print("|---|---|---|---|---|")
+        for dtype in dtypes:
+            for k, n, _, rows_list in EMULATED_SHAPES:
+                w = torch.randn(n, k).to(dtype)
+                for rows in rows_list:
+                    go, x = torch.randn(rows, n).to(dtype), torch.randn(rows, k).to(dtype)
+                    paths = {"emulated": lambda go=go, x=x, w=w: (go.mm(w), go.t().mm(x)),
+                             "sliced": partial(fast._upcast_grad_gemms, go, x, w, True, True)}  # fmt: skip
+                    t = interleaved(paths, reps=reps if rows * k * n < 2**28 else 1, warmup=1)
+                    print(f"| {dtype} | {rows} × {k} → {n} | {t.ms('emulated'):.1f} | {t.ms('sliced'):.1f} | "
+                          f"{t.ratio('emulated', 'sliced'):.1f}× |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -767,6 +827,8 @@ def main() -> None:
             decode_step(args.layers, args.reps)
         elif name == "small_models":
             small_models(args.reps)
+        elif name == "emulated_gemm":
+            emulated_gemm(args.reps)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")

@@ -186,7 +186,8 @@ def onednn_isa_allows(feature: str, environ=os.environ) -> bool:
 def native_dtypes(environ=os.environ, flags: set[str] | None = None) -> dict[torch.dtype, bool]:
     """Dtypes this process computes in hardware: the CPU has the instructions (AVX512-BF16 or AMX for bf16,
     AMX-FP16 for fp16; `flags` as /proc/cpuinfo names them, else torch's checks) and no oneDNN ISA limit rules them
-    out. Else torch emulates them, several times slower than float32 (bf16 7× on an AVX2-only EPYC)."""
+    out. Else torch emulates them: its bf16 GEMM is 7× slower than float32 on an AVX2-only EPYC, so the linears
+    compute them in float32 where that measures faster (`_upcast_linear`)."""
     has = {
         name: name in flags if flags is not None else getattr(torch.cpu, f"_is_{name}_supported", lambda: False)()
         for name in ("avx512_bf16", "amx_tile", "amx_fp16")
@@ -214,8 +215,9 @@ def warn_if_emulated(x: torch.Tensor) -> None:
     if x.device.type == "cpu" and x.dtype in _NATIVE and not _NATIVE[x.dtype] and x.dtype not in _warned_dtypes:
         _warned_dtypes.add(x.dtype)
         logger.warning(
-            "%s on this CPU (no %s instructions%s) is emulated and runs several times slower than float32 "
-            "(measured 7× on an AVX2-only EPYC); use float32 here",
+            "%s on this CPU (no %s instructions%s) is emulated and cannot be faster than float32: the linear layers "
+            "compute it in float32 where that beats torch's emulated GEMM (7× slower than float32 on an AVX2-only "
+            "EPYC), the rest converts back and forth; use float32 here",
             x.dtype,
             "AVX512-BF16/AMX" if x.dtype == torch.bfloat16 else "AMX-FP16",
             _isa_limit_note(),
