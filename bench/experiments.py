@@ -739,7 +739,7 @@ def emulated_gemm(reps: int) -> None:
     """For each dtype this process emulates (no instructions for it): torch's emulated kernel vs the float32 GEMM
     on converted operands, the whole weight converted at once vs slice by slice (`_upcast_linear`), forward; and
     the two backward GEMMs (go·W, goᵀ·x) vs `_upcast_grad_gemms`. Error columns: largest difference from the
-    float32 product rounded to the dtype, in units of the dtype's spacing at the output's magnitude."""
+    float32 product rounded to the dtype, in units of the dtype's spacing (eps) at the output's largest magnitude."""
     from modeling_roformer_rope import onednn_roformer_rope as fast
 
     dtypes = [dtype for dtype, native in fast._NATIVE.items() if not native]
@@ -750,9 +750,8 @@ def emulated_gemm(reps: int) -> None:
     def whole(x, w, b):
         return F.linear(x.float(), w.float(), b.float()).to(x.dtype)
 
-    def spacings(got, want):  # max |got − want| over the dtype's spacing at |want|
-        spacing = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
-        return ((got.float() - want.float()).abs() / spacing).max().item()
+    def spacings(got, want):  # max |got − want| in units of the dtype's spacing at the output's largest magnitude
+        return ((got.float() - want.float()).abs().max() / (torch.finfo(want.dtype).eps * want.float().abs().max())).item()
 
     print("| dtype | rows × in → out | emulated ms | float32, whole weight ms | float32, sliced ms | emulated / sliced "
           "| error emulated / sliced (spacings) |")  # fmt: skip

@@ -235,9 +235,9 @@ def _emulated(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 # An emulated dtype's GEMM in float32 converts the weight slice by slice, each slice used at once while it is in
-# cache: converting a vocabulary projection (50000×768 bf16) whole took 41 ms (out of cache, 1 ns per element), and
-# at 32-77 rows that made the float32 GEMM slower than torch's emulated one (75 against 54 ms at 32 rows); slices of
-# 1024-4096 outputs took 19-24 ms and 36-42 ms at 77 (Zen 5 EPYC limited to AVX2).
+# cache: with the vocabulary projection (50000×768 bf16) converted whole, out of cache, the float32 GEMM took 65 ms at
+# 32 rows, slower than torch's emulated one (49 ms); slice by slice 18 ms, and 3.6-4.4× faster than emulated from
+# 77 rows up (Zen 5 EPYC limited to AVX2, `python bench/experiments.py --only emulated_gemm`).
 _UPCAST_SLICE = 1 << 20  # weight elements converted at a time (4 MiB in float32)
 
 
@@ -381,10 +381,11 @@ def _backward_choice(go: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) 
     return choose(key, candidates)
 
 
-# An emulated GEMM is slow to time (bf16 16-60 GFLOP/s forward on AVX2; its backward's goᵀ·x 1.4 GFLOP/s at the
-# vocabulary projection, 3.4 s on 32 rows, Zen 5 EPYC limited to AVX2), so the two paths are timed on at most 64
-# rows and one weight slice of outputs: the float32 path's time is one slice's times the slices, and its lead only
-# grows with the rows (each slice's conversion is shared by more of them), so a class won on 64 rows stays won.
+# An emulated GEMM is slow to time (the vocabulary projection's two backward GEMMs took 3.2 s on 32 rows in bf16, 68 ms
+# in float32 slices: Zen 5 EPYC limited to AVX2, `emulated_gemm`), so the two paths are timed on at most 64 rows and
+# one weight slice of outputs: the float32 path's time is one slice's times the slices, and its lead only grows with
+# the rows (each slice's conversion is shared by more of them: 0.25-0.3× at 1 row, ~1× at 16, 1.7-2.8× at 32,
+# 2.9-4.4× from 256), so a class won on 64 rows stays won.
 _EMULATED_PROXY_ROWS = 64
 
 
