@@ -107,9 +107,8 @@ def test_backward_on_the_rows_with_a_gradient_is_exact(monkeypatch, labelled):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_zero_rows_are_found_with_nan_inf_and_negative_zero(monkeypatch, dtype):
     """The rows skipped are exactly those whose every entry compares equal to zero: −0.0 rows are skipped (a masked
-    loss's gradient carries them), NaN and inf rows are not; the gradients equal F.linear's."""
-    if dtype == torch.bfloat16 and not lin._NATIVE[torch.bfloat16]:
-        pytest.skip("bf16 runs F.linear (no row skipping) where the CPU has no bf16 instructions")
+    loss's gradient carries them), NaN and inf rows are not; the gradients equal F.linear's (bf16 too where the CPU
+    emulates it: the node runs there as well)."""
     rows_used = []
     real_select = torch.Tensor.index_select
     monkeypatch.setattr(torch.Tensor, "index_select", lambda t, d, i: rows_used.append(i.tolist()) or real_select(t, d, i))
@@ -176,7 +175,7 @@ def test_mlm_loss_on_the_labelled_rows_equals_the_loss_on_all_rows(num_items):
 
 
 @needs_onednn
-@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
+@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the native bf16 autocast path needs AVX512-BF16 or AMX (emulated: test_emulated.py)")
 def test_bf16_autocast_linear_equals_autocast_f_linear_and_skips_zero_rows(monkeypatch):
     """Under CPU bf16 autocast the linear runs what autocast would (bf16 inputs, bf16 GEMM and output, float32
     gradients through the casts), through the node whose backward skips zero gradient rows."""
@@ -204,7 +203,7 @@ def test_bf16_autocast_linear_equals_autocast_f_linear_and_skips_zero_rows(monke
 
 
 @needs_onednn
-@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
+@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the native bf16 autocast path needs AVX512-BF16 or AMX (emulated: test_emulated.py)")
 @pytest.mark.parametrize("path", ["onednn", "torch"])
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_bf16_autocast_inference_runs_the_chosen_bf16_gemm_directly(path, mode):
@@ -227,7 +226,7 @@ def test_bf16_autocast_inference_runs_the_chosen_bf16_gemm_directly(path, mode):
 
 
 @needs_onednn
-@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the bf16 autocast path needs AVX512-BF16 or AMX")
+@pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the native bf16 autocast path needs AVX512-BF16 or AMX (emulated: test_emulated.py)")
 def test_bf16_autocast_training_step_matches_the_builtin():
     """A dense-head MLM step under bf16 autocast: loss and tied-embedding gradient as the built-in's (bf16 noise)."""
     from conftest import builtin_model, padded_batch
