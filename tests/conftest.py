@@ -69,6 +69,58 @@ def padded_batch(vocab_size: int = 99, batch: int = 2, seq_len: int = 12, seed: 
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
 
+def spy(monkeypatch, owner, name: str) -> list:
+    """Wrap `owner.name` for this test so that every call's result is appended to the list returned."""
+    results = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args: results.append(real(*args)) or results[-1])
+    return results
+
+
+def assert_bf16_autocast_linear_matches_f_linear(module: torch.nn.Module) -> torch.Tensor:
+    """`module` (64 → 96, MLM-decoder-like: 2 of 100 rows carry a gradient) under CPU bf16 autocast against
+    autocast's F.linear on copies of its parameters: a bf16 output and float32 gradients, equal to bf16 noise.
+    Returns the output (its grad_fn tells which node ran)."""
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 50, 64, requires_grad=True)
+    grad = torch.zeros(2, 50, 96)
+    grad[0, 3], grad[1, 7] = torch.randn(96), torch.randn(96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x)
+    out.backward(grad)
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, module.weight, module.bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.linear(x2, w2, b2)
+    ref.backward(grad)
+    assert out.dtype == ref.dtype == torch.bfloat16 and module.weight.grad.dtype == torch.float32
+    for got, want in zip((out, x.grad, module.weight.grad, module.bias.grad), (ref, x2.grad, w2.grad, b2.grad)):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    return out
+
+
+def assert_bf16_autocast_mlm_step_matches_builtin() -> None:
+    """A dense-head MLM step under CPU bf16 autocast, ours and the built-in on the same weights: the losses and the
+    tied embeddings' gradients agree to bf16 noise."""
+    from roformer_rope.conversion.from_transformers import convert_model
+
+    builtin = builtin_model("RoFormerForMaskedLM").train()
+    ours = convert_model(builtin).train()
+    batch = padded_batch(seq_len=40)
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, ::7] = batch["input_ids"][:, ::7]
+    losses, grads = [], []
+    for model in (ours, builtin):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.get_input_embeddings().weight.grad)
+    torch.testing.assert_close(losses[0], losses[1], atol=2e-2, rtol=2e-2)
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 3e-2
+
+
 @pytest.fixture
 def tiny():
     return tiny_config

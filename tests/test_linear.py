@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from conftest import spy
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import onednn_roformer_rope as lin
 
@@ -85,9 +86,7 @@ def test_environment_switch_disables_onednn():
 def test_backward_on_the_rows_with_a_gradient_is_exact(monkeypatch, labelled):
     """An MLM decoder's upstream gradient is zero on unlabelled rows: with `zero_grad_rows` the backward GEMMs
     run on the other rows only (when they are under half), and every gradient equals F.linear's."""
-    taken = []
-    real = lin._backward_on_nonzero_rows
-    monkeypatch.setattr(lin, "_backward_on_nonzero_rows", lambda *a: taken.append(real(*a)) or taken[-1])
+    taken = spy(monkeypatch, lin, "_backward_on_nonzero_rows")
     torch.manual_seed(0)
     x = torch.randn(3, 40, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
@@ -179,27 +178,13 @@ def test_mlm_loss_on_the_labelled_rows_equals_the_loss_on_all_rows(num_items):
 def test_bf16_autocast_linear_equals_autocast_f_linear_and_skips_zero_rows(monkeypatch):
     """Under CPU bf16 autocast the linear runs what autocast would (bf16 inputs, bf16 GEMM and output, float32
     gradients through the casts), through the node whose backward skips zero gradient rows."""
-    taken = []
-    real = lin._backward_on_nonzero_rows
-    monkeypatch.setattr(lin, "_backward_on_nonzero_rows", lambda *a: taken.append(real(*a)) or taken[-1])
-    torch.manual_seed(0)
+    from conftest import assert_bf16_autocast_linear_matches_f_linear
+
+    taken = spy(monkeypatch, lin, "_backward_on_nonzero_rows")
     module = lin.RoFormerRopeLinear(64, 96)
     module.zero_grad_rows = True
-    x = torch.randn(2, 50, 64, requires_grad=True)
-    grad = torch.zeros(2, 50, 96)
-    grad[0, 3], grad[1, 7] = torch.randn(96), torch.randn(96)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = module(x)
-    out.backward(grad)
-    ours = (out, x.grad, module.weight.grad, module.bias.grad)
-    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, module.weight, module.bias))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = F.linear(x2, w2, b2)
-    ref.backward(grad)
-    assert out.dtype == torch.bfloat16 and "OneDNN" in type(out.grad_fn).__name__
-    assert module.weight.grad.dtype == torch.float32 and len(taken) == 1 and taken[0] is not None
-    for got, want in zip(ours, (ref, x2.grad, w2.grad, b2.grad)):
-        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    out = assert_bf16_autocast_linear_matches_f_linear(module)
+    assert "OneDNN" in type(out.grad_fn).__name__ and len(taken) == 1 and taken[0] is not None
 
 
 @needs_onednn
@@ -229,20 +214,6 @@ def test_bf16_autocast_inference_runs_the_chosen_bf16_gemm_directly(path, mode):
 @pytest.mark.skipif(not lin._NATIVE[torch.bfloat16], reason="the native bf16 autocast path needs AVX512-BF16 or AMX (emulated: test_emulated.py)")
 def test_bf16_autocast_training_step_matches_the_builtin():
     """A dense-head MLM step under bf16 autocast: loss and tied-embedding gradient as the built-in's (bf16 noise)."""
-    from conftest import builtin_model, padded_batch
-    from roformer_rope.conversion.from_transformers import convert_model
+    from conftest import assert_bf16_autocast_mlm_step_matches_builtin
 
-    builtin = builtin_model("RoFormerForMaskedLM").train()
-    ours = convert_model(builtin).train()
-    batch = padded_batch(seq_len=40)
-    labels = torch.full_like(batch["input_ids"], -100)
-    labels[:, ::7] = batch["input_ids"][:, ::7]
-    losses, grads = [], []
-    for model in (ours, builtin):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(**batch, labels=labels).loss
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append(model.get_input_embeddings().weight.grad)
-    torch.testing.assert_close(losses[0], losses[1], atol=2e-2, rtol=2e-2)
-    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 3e-2
+    assert_bf16_autocast_mlm_step_matches_builtin()
