@@ -7,6 +7,10 @@ to atol 1e-4 before timing). Each model owns its AdamW (lr 1e-5, weight decay 0.
 foreach implementation). Labels as in MLM pretraining: 15% of positions carry a target, the rest -100
 (the built-in runs the tied 50000-word decoder on every position; ours does too as converted, and only on
 the labelled positions with `sparse_prediction=True`, timed as a third candidate).
+
+Then the same step with dropout 0.1 on hidden states and attention probabilities (RoFormer's own configs),
+dense head, fp32 (and bf16 autocast where timed), on a second pair with the same weights: dropout masks are
+random, so its parity is checked in eval mode, and the cell times what pretraining and fine-tuning run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from common import ATOL, Section, bar_plot, fmt_ms, goal_cell, interleaved, make
 SHAPES = [(8, 128), (4, 512)]
 GOALS = {(8, 128): 1.0, (4, 512): 1.3}  # issue 14: dense head ≥ 1.3× at 4×512, nothing below 1.0×
 SPARSE_GOAL = 1.0  # sparse_prediction and bf16 cells: never slower than the built-in
+DROPOUT = 0.1  # hidden and attention-probability dropout of the dropout cells (RoFormer's configs)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, bf16: bool = False) -> torch.Tensor:
@@ -97,13 +102,16 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
             bf16_dense_speedup=timing.ratio("builtin_bf16", "ours_bf16_dense") if bf16 else None,
             times=timing.times,
         )
+        del builtin, ours, sparse, models, optimizers, steps
+        r |= time_dropout(layers, reps, inputs, bf16)
         results.append(r)
         print(
             f"train {shape_name(batch, length)}: built-in {fmt_ms(r['builtin_s'])} ms, ours {fmt_ms(r['ours_s'])} ms "
-            f"({r['speedup']:.2f}×), ours sparse_prediction {fmt_ms(r['sparse_s'])} ms ({r['sparse_speedup']:.2f}×)",
+            f"({r['speedup']:.2f}×), ours sparse_prediction {fmt_ms(r['sparse_s'])} ms ({r['sparse_speedup']:.2f}×); "
+            f"dropout {DROPOUT}: built-in {fmt_ms(r['dropout_builtin_s'])} ms, ours {fmt_ms(r['dropout_s'])} ms "
+            f"({r['dropout_speedup']:.2f}×)",
             flush=True,
         )
-        del builtin, ours, sparse, models, optimizers
     rows = []
     for r in results:
         goal = GOALS.get((r["batch"], r["length"]))
@@ -118,7 +126,13 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
                 fmt_ms(r["builtin_bf16_s"]) if bf16 else "skipped: bf16 emulated on this CPU",
                 f"{fmt_ms(r['bf16_dense_s'])} ({r['bf16_dense_speedup']:.2f}×)" if bf16 else "–",
                 f"{fmt_ms(r['bf16_s'])} ({r['bf16_speedup']:.2f}×)" if bf16 else "–",
-                f"{r['max_abs_diff']:.1e}",
+                f"{fmt_ms(r['dropout_builtin_s'])} / {fmt_ms(r['dropout_s'])} "
+                f"({r['dropout_speedup']:.2f}× {goal_cell(r['dropout_speedup'], SPARSE_GOAL)})",
+                f"{fmt_ms(r['dropout_bf16_builtin_s'])} / {fmt_ms(r['dropout_bf16_s'])} "
+                f"({r['dropout_bf16_speedup']:.2f}× {goal_cell(r['dropout_bf16_speedup'], SPARSE_GOAL)})"
+                if bf16
+                else "–",
+                f"{max(r['max_abs_diff'], r['dropout_max_abs_diff']):.1e}",
             ]
         )
     labels = [shape_name(r["batch"], r["length"]) for r in results]
@@ -144,7 +158,9 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
         f"word-embedding gradient agree with the built-in, worst max abs diff shown). Median of {reps} interleaved "
         "steps after one warm-up step; speed-ups are built-in / ours. bf16: both models' forward and backward under "
         "`torch.autocast('cpu', dtype=torch.bfloat16)` (fp32 master weights and AdamW), ours dense and with "
-        "`sparse_prediction`, each against the built-in under the same autocast."
+        "`sparse_prediction`, each against the built-in under the same autocast. Dropout cells: both models with "
+        f"hidden and attention dropout {DROPOUT}, dense head, same weights (parity checked in eval mode), fp32 and bf16 "
+        "autocast."
     )
     headers = [
         "B×T",
@@ -156,9 +172,36 @@ def run(layers: int, reps: int, shapes=SHAPES, bf16: bool | None = None) -> list
         "built-in bf16 autocast ms",
         "ours bf16 autocast, dense ms (speed-up)",
         "ours bf16 autocast, sparse ms (speed-up)",
+        f"dropout {DROPOUT}, fp32: built-in / ours ms (speed-up)",
+        f"dropout {DROPOUT}, bf16 autocast: built-in / ours ms (speed-up)",
         "max abs diff (loss, grad)",
     ]
     return [Section("train", "Training step (fp32)", method, headers, rows, plot, {"rows": results})]
+
+
+def time_dropout(layers: int, reps: int, inputs: dict, bf16: bool) -> dict:
+    """Built-in and ours (dense head) with dropout DROPOUT, fp32 and (if `bf16`) bf16 autocast, interleaved."""
+    builtin, ours = make_pair(
+        layers, 8192, head="mlm", hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT
+    )  # eval mode: dropout off for the parity check
+    diff = check_train_parity(builtin, ours, inputs)
+    builtin.train(), ours.train()
+    models = {"builtin": builtin, "ours": ours}
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, weight_decay=0.01) for k, m in models.items()}
+    steps = {k: partial(train_step, m, optimizers[k], inputs) for k, m in models.items()}
+    if bf16:
+        steps |= {f"{k}_bf16": partial(train_step, m, optimizers[k], inputs, True) for k, m in models.items()}
+    timing = interleaved(steps, reps=reps, warmup=1)
+    return dict(
+        dropout_max_abs_diff=diff,
+        dropout_builtin_s=timing.median("builtin"),
+        dropout_s=timing.median("ours"),
+        dropout_speedup=timing.ratio("builtin", "ours"),
+        dropout_bf16_builtin_s=timing.median("builtin_bf16") if bf16 else None,
+        dropout_bf16_s=timing.median("ours_bf16") if bf16 else None,
+        dropout_bf16_speedup=timing.ratio("builtin_bf16", "ours_bf16") if bf16 else None,
+        dropout_times=timing.times,
+    )
 
 
 def main() -> None:

@@ -26,6 +26,9 @@ Experiments
 - emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
   emulated GEMM vs the float32 GEMM on converted operands, whole weight vs slice by slice (`_upcast_linear`),
   forward and backward, with each one's error against the rounded float32 product.
+- dropout: training-mode dropout, forward + backward, torch's vs ours (16-bit masks) on a layer's attention
+  probabilities and hidden states; then one layer's attention with dropout 0.1, SDPA's math path vs our eager
+  attention, forward + backward (what training with dropout runs). Use training shapes: `--shapes 8x128,4x512`.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
@@ -785,6 +788,66 @@ def emulated_gemm(reps: int) -> None:
                           f"{t.ratio('emulated', 'sliced'):.1f}× |", flush=True)  # fmt: skip
 
 
+def _backward_through(fn, *inputs: torch.Tensor):
+    """A callable running fn on fresh leaf copies of `inputs`, then the backward of a fixed upstream gradient."""
+    grad = []
+
+    def run():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        if not grad:
+            grad.append(torch.randn_like(out))
+        out.backward(grad[0])
+
+    return run
+
+
+def dropout_experiment(reps: int, shapes) -> None:
+    """Training-mode dropout, forward + backward, torch's `F.dropout` vs ours (`dropout_roformer_rope.dropout`) on
+    the two tensors a layer drops at base width (attention probabilities (B, 12, T, T), hidden states (B·T, 768));
+    then one layer's attention with dropout 0.1, forward + backward, SDPA (its math path) vs our eager attention
+    (with our dropout) in the inputs' dtype and as the model runs it (in float32 where the dtype is emulated): what
+    `attention_roformer_rope.dropout_attention_path` rests on."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from modeling_roformer_rope.attention_roformer_rope import _emulated_attention, eager_attention_forward
+    from modeling_roformer_rope.dropout_roformer_rope import dropout as ours
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    dtypes = (torch.float32, torch.bfloat16)  # bf16 also where it is emulated: what the decision must see there
+    print(f"bf16 instructions: {'yes' if native_bf16() else 'no (emulated)'}")
+    print("| tensor | dtype | torch ms | ours ms | torch / ours |")
+    print("|---|---|---|---|---|")
+    for batch, length in shapes:
+        for name, shape in ((f"({batch}, 12, {length}, {length})", (batch, 12, length, length)),
+                            (f"({batch * length}, 768)", (batch * length, 768))):  # fmt: skip
+            for dtype in dtypes:
+                x = torch.randn(shape).to(dtype)
+                paths = {"torch": _backward_through(lambda t: F.dropout(t, 0.1, True), x),
+                         "ours": _backward_through(lambda t: ours(t, 0.1), x)}  # fmt: skip
+                t = interleaved(paths, reps=reps, warmup=1)
+                print(f"| {name} | {dtype} | {t.ms('torch'):.1f} | {t.ms('ours'):.1f} | {t.ratio('torch', 'ours'):.2f}× |",
+                      flush=True)  # fmt: skip
+                del x, paths
+    module = torch.nn.Module().train()
+    module.is_causal = False
+    kwargs = dict(dropout=0.1, scaling=64**-0.5)
+    print("\n| attention with dropout 0.1, one layer, B×T | dtype | SDPA (math) ms | eager in the dtype ms | SDPA / eager "
+          "| the model's path (eager, in float32 where the dtype is emulated) ms | SDPA / model's |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        for dtype in dtypes:
+            q, k, v = (torch.randn(batch, 12, length, 64).to(dtype) for _ in range(3))
+            paths = {
+                "sdpa": _backward_through(lambda *t: ALL_ATTENTION_FUNCTIONS["sdpa"](module, *t, None, **kwargs)[0], q, k, v),
+                "eager": _backward_through(lambda *t: eager_attention_forward(module, *t, None, **kwargs)[0], q, k, v),
+                "model": _backward_through(lambda *t: _emulated_attention(module, *t, None, **kwargs)[0], q, k, v),
+            }
+            t = interleaved(paths, reps=reps, warmup=1)
+            print(f"| {batch}×{length} | {dtype} | {t.ms('sdpa'):.1f} | {t.ms('eager'):.1f} | {t.ratio('sdpa', 'eager'):.2f}× "
+                  f"| {t.ms('model'):.1f} | {t.ratio('sdpa', 'model'):.2f}× |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -828,6 +891,8 @@ def main() -> None:
             small_models(args.reps)
         elif name == "emulated_gemm":
             emulated_gemm(args.reps)
+        elif name == "dropout":
+            dropout_experiment(args.reps, shapes)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")

@@ -106,6 +106,22 @@ def summary(sections: dict[str, Section]) -> str:
                 mark(r["sparse_speedup"], bench_train.SPARSE_GOAL),
             ]
         )
+    for r in sections["train"].data["rows"] if "train" in sections else []:
+        for label, builtin_s, ours_s, ratio in (
+            ("fp32", r.get("dropout_builtin_s"), r.get("dropout_s"), r.get("dropout_speedup")),
+            ("bf16 autocast", r.get("dropout_bf16_builtin_s"), r.get("dropout_bf16_s"), r.get("dropout_bf16_speedup")),
+        ):
+            if ours_s is not None:
+                rows.append(
+                    [
+                        f"training step {label}, dropout {bench_train.DROPOUT}, dense head",
+                        shape_name(r["batch"], r["length"]),
+                        f"{fmt_ms(builtin_s)} ms",
+                        f"{fmt_ms(ours_s)} ms",
+                        f"{ratio:.2f}×",
+                        mark(ratio, bench_train.SPARSE_GOAL),
+                    ]
+                )
     for r in sections["memory"].data["rows"] if "memory" in sections else []:
         b, o = r["builtin"]["forward_bytes"], r["ours"]["forward_bytes"]
         rows.append(

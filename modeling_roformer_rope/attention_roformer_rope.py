@@ -19,9 +19,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
+from .calibration_roformer_rope import forced
+from .dropout_roformer_rope import dropout as dropout_fn
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention
 from .onednn_attention_roformer_rope import onednn_attention_forward, onednn_attention_path, sdpa_layout
-from .onednn_roformer_rope import RoFormerRopeLinear, rotate_qkv
+from .onednn_roformer_rope import _NATIVE, RoFormerRopeLinear, rotate_qkv, tracing
 
 
 def unilm_mask_function(token_type_ids: torch.Tensor) -> Callable:
@@ -55,21 +57,21 @@ def eager_attention_forward(
     mask is added to the scores (a row at the dtype's minimum everywhere gives zeros too).
     """
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
-    wide = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64: its mask minimum is -inf in float32
+    wide = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
+    dead = None  # (B, 1|H, T) rows masked at every key: zeros, as on SDPA, not the mean of every value (nor NaN)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), float("-inf"))
-        attn_weights = nn.functional.softmax(attn_weights, dim=-1).nan_to_num_(0.0).to(query.dtype)
-    else:
-        if attention_mask is not None:
-            attn_weights = attn_weights + attention_mask
-        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=wide).to(query.dtype)
-        if attention_mask is not None and attention_mask.is_floating_point():
-            # transformers' eager masks carry the dtype's minimum where SDPA's carry False: a row masked everywhere
-            # gives zeros, as on SDPA, not the mean of every value (nor NaN for a row of -inf)
-            dead = fully_masked_rows(attention_mask)  # (B, 1|H, T)
-            if torch.compiler.is_compiling() or dead.any():  # (a copy of the weights only where needed)
-                attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+        # the dtype's minimum, not -inf: a row masked everywhere stays finite, so its (zeroed) gradient is too
+        attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), torch.finfo(wide).min)
+        dead = attention_mask.logical_not().all(dim=-1)
+    elif attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+        if attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
+            dead = fully_masked_rows(attention_mask)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=wide)
+    if dead is not None and (torch.compiler.is_compiling() or dead.any()):  # (a copy of the weights only where needed)
+        attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
+    attn_weights = attn_weights.to(query.dtype)
+    attn_weights = dropout_fn(attn_weights, p=dropout, training=module.training)  # `dropout_roformer_rope.py`
     attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
     return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
 
@@ -85,7 +87,9 @@ def sdpa_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there; for bf16
     with bf16 PV where that measures faster), or on SDPA with compact keys and values where that measures faster
-    (`sdpa_layout`)."""
+    (`sdpa_layout`); CPU training with attention dropout on our eager attention (`dropout_attention_path`)."""
+    if dropout and dropout_attention_path(module, query, attention_mask, **kwargs) == "eager":
+        return _emulated_attention(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
     path = onednn_attention_path(query, key, attention_mask, dropout, value)
     if path is not None:
         out, weights = onednn_attention_forward(
@@ -100,6 +104,55 @@ def sdpa_attention_forward(
         # mask's fully masked row does (and as on eager), not the mean of every value
         out = out.masked_fill(fully_masked_rows(attention_mask).transpose(1, 2)[..., None], 0.0)  # (B, T, H, D)
     return out, weights
+
+
+def dropout_attention_path(
+    module: nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool | None = None, **kwargs
+) -> str:
+    """"eager" or "sdpa" for attention with dropout (training).
+
+    With dropout_p > 0, CPU SDPA has no fused kernel: it runs its math path, the same two GEMMs and softmax as
+    eager, in float32 for bf16/fp16 inputs (4× the GEMM time of bf16 on a CPU with bf16 instructions: a 12-layer
+    bf16-autocast MLM step at 4×512 with dropout 0.1 ran at 0.82× the built-in on a Zen 5 EPYC, whose eager
+    attention stays in bf16), with torch's dropout. Our eager attention does the same GEMMs in the inputs' dtype
+    (in float32 where that dtype is emulated: `_emulated_attention`) with half the dropout work
+    (`dropout_roformer_rope.py`), so on CPU it is the faster by construction, and measured so
+    (`python bench/experiments.py --only dropout`: 1.14-1.30× in float32, 2.0-2.2× in bf16 on the Zen 5 EPYC; float32
+    1.14-1.23× with AVX2 kernels). It is a rule, not a timed decision, on purpose: the path decides which random
+    masks a step draws, and a choice made by timing could differ between two runs of one seed, or between a
+    resumed run and an uninterrupted one. SDPA's own causal flag (a decoder given no mask) stays on SDPA, as do
+    other devices and tracing. `ROFORMER_ROPE_FORCE=attention_dropout=sdpa|eager` overrides."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    if query.device.type != "cpu" or tracing() or (attention_mask is None and causal and query.shape[2] > 1):
+        return "sdpa"
+    path = forced("attention_dropout") or "eager"
+    if path not in DROPOUT_PATHS:
+        raise ValueError(
+            f"roformer_rope dispatch: attention_dropout forced to {path!r} (by ROFORMER_ROPE_FORCE or force()); "
+            f"the paths are {sorted(DROPOUT_PATHS)}"
+        )
+    return path
+
+
+DROPOUT_PATHS = ("eager", "sdpa")
+
+
+def _emulated_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention with dropout, computed in float32 where the CPU emulates the inputs' dtype (bf16 without
+    AVX512-BF16/AMX, fp16 without AMX-FP16: an emulated bf16 layer took 7× the float32 one, `--only dropout` under
+    an AVX2 limit), as SDPA's math path computes it; the output is rounded to the dtype once."""
+    if _NATIVE.get(query.dtype, True):
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    wide = (t.float() for t in (query, key, value))  # (B, H, T | S, D) each
+    out, weights = eager_attention_forward(module, *wide, attention_mask, **kwargs)
+    return out.to(query.dtype), weights
 
 
 def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention_roformer_rope import RoFormerRopeSelfAttention, attention_class, unilm_mask_function
 from .cache_name_roformer_rope import cache_kwarg, causal_mask, output_cache, take_cache
 from .configuration_roformer_rope import RoFormerRopeConfig
+from .dropout_roformer_rope import RoFormerRopeDropout
 from .inputs_roformer_rope import check_inputs
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention, install_cache_layers
 from .onednn_roformer_rope import RoFormerRopeLinear, linear_activation
@@ -90,7 +91,7 @@ class RoFormerRopeEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.embedding_size, padding_idx=config.pad_token_id)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.embedding_size)
         self.norm = make_norm(config, config.embedding_size)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = RoFormerRopeDropout(config.hidden_dropout_prob)
 
     def forward(
         self,
@@ -130,7 +131,7 @@ class RoFormerRopeLayer(GradientCheckpointingLayer):
         self.attention_norm = make_norm(config, config.hidden_size)
         self.mlp = RoFormerRopeMLP(config)
         self.mlp_norm = make_norm(config, config.hidden_size)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = RoFormerRopeDropout(config.hidden_dropout_prob)
 
     def forward(
         self,
@@ -563,7 +564,7 @@ class RoFormerRopeClassificationHead(nn.Module):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(config.classifier_dropout_prob)
+        self.dropout = RoFormerRopeDropout(config.classifier_dropout_prob)
         self.act_fn = ACT2FN[config.hidden_act]
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
@@ -623,7 +624,7 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
-        self.dropout = nn.Dropout(config.classifier_dropout_prob)
+        self.dropout = RoFormerRopeDropout(config.classifier_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -721,7 +722,7 @@ class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
         # No dropout before the classifier unless `classifier_dropout` asks for it: the built-in's summary layer has
         # none (RoFormerConfig sets no `summary_*_dropout`), so a converted checkpoint fine-tunes the same way.
-        self.dropout = nn.Dropout(config.classifier_dropout) if config.classifier_dropout else nn.Identity()
+        self.dropout = RoFormerRopeDropout(config.classifier_dropout) if config.classifier_dropout else nn.Identity()
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 

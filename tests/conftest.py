@@ -73,7 +73,7 @@ def spy(monkeypatch, owner, name: str) -> list:
     """Wrap `owner.name` for this test so that every call's result is appended to the list returned."""
     results = []
     real = getattr(owner, name)
-    monkeypatch.setattr(owner, name, lambda *args: results.append(real(*args)) or results[-1])
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: results.append(real(*args, **kwargs)) or results[-1])
     return results
 
 
