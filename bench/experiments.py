@@ -810,7 +810,7 @@ def dropout_experiment(reps: int, shapes) -> None:
     `attention_roformer_rope.dropout_attention_path` rests on."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from modeling_roformer_rope.attention_roformer_rope import _emulated_attention, eager_attention_forward
+    from modeling_roformer_rope.attention_roformer_rope import _eager_dropout_attention, eager_attention_forward
     from modeling_roformer_rope.dropout_roformer_rope import dropout as ours
 
     print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
@@ -841,7 +841,7 @@ def dropout_experiment(reps: int, shapes) -> None:
             paths = {
                 "sdpa": _backward_through(lambda *t: ALL_ATTENTION_FUNCTIONS["sdpa"](module, *t, None, **kwargs)[0], q, k, v),
                 "eager": _backward_through(lambda *t: eager_attention_forward(module, *t, None, **kwargs)[0], q, k, v),
-                "model": _backward_through(lambda *t: _emulated_attention(module, *t, None, **kwargs)[0], q, k, v),
+                "model": _backward_through(lambda *t: _eager_dropout_attention(module, *t, None, **kwargs)[0], q, k, v),
             }
             t = interleaved(paths, reps=reps, warmup=1)
             print(f"| {batch}×{length} | {dtype} | {t.ms('sdpa'):.1f} | {t.ms('eager'):.1f} | {t.ratio('sdpa', 'eager'):.2f}× "

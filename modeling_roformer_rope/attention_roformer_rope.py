@@ -89,7 +89,7 @@ def sdpa_attention_forward(
     with bf16 PV where that measures faster), or on SDPA with compact keys and values where that measures faster
     (`sdpa_layout`); CPU training with attention dropout on our eager attention (`dropout_attention_path`)."""
     if dropout and dropout_attention_path(module, query, attention_mask, **kwargs) == "eager":
-        return _emulated_attention(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        return _eager_dropout_attention(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
     path = onednn_attention_path(query, key, attention_mask, dropout, value)
     if path is not None:
         out, weights = onednn_attention_forward(
@@ -115,7 +115,7 @@ def dropout_attention_path(
     eager, in float32 for bf16/fp16 inputs (4× the GEMM time of bf16 on a CPU with bf16 instructions: a 12-layer
     bf16-autocast MLM step at 4×512 with dropout 0.1 ran at 0.82× the built-in on a Zen 5 EPYC, whose eager
     attention stays in bf16), with torch's dropout. Our eager attention does the same GEMMs in the inputs' dtype
-    (in float32 where that dtype is emulated: `_emulated_attention`) with half the dropout work
+    (in float32 where that dtype is emulated: `_eager_dropout_attention`) with half the dropout work
     (`dropout_roformer_rope.py`), so on CPU it is the faster by construction, and measured so
     (`python bench/experiments.py --only dropout`: 1.14-1.30× in float32, 2.0-2.2× in bf16 on the Zen 5 EPYC; float32
     1.14-1.23× with AVX2 kernels). It is a rule, not a timed decision, on purpose: the path decides which random
@@ -137,7 +137,7 @@ def dropout_attention_path(
 DROPOUT_PATHS = ("eager", "sdpa")
 
 
-def _emulated_attention(
+def _eager_dropout_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -147,11 +147,12 @@ def _emulated_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager attention with dropout, computed in float32 where the CPU emulates the inputs' dtype (bf16 without
     AVX512-BF16/AMX, fp16 without AMX-FP16: an emulated bf16 layer took 7× the float32 one, `--only dropout` under
-    an AVX2 limit), as SDPA's math path computes it; the output is rounded to the dtype once."""
+    an AVX2 limit), as SDPA's math path computes it, autocast or not; the output is rounded to the dtype once."""
     if _NATIVE.get(query.dtype, True):
         return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
     wide = (t.float() for t in (query, key, value))  # (B, H, T | S, D) each
-    out, weights = eager_attention_forward(module, *wide, attention_mask, **kwargs)
+    with torch.autocast("cpu", enabled=False):  # autocast would hand the float32 GEMMs back to the emulated dtype
+        out, weights = eager_attention_forward(module, *wide, attention_mask, **kwargs)
     return out.to(query.dtype), weights
 
 

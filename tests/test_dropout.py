@@ -174,10 +174,12 @@ def test_eager_is_the_rule_on_cpu_and_can_be_forced(forced):
         attn.dropout_attention_path(module, torch.randn(1, 2, 8, 4), None)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_emulated_dtype_is_attended_in_float32(monkeypatch, forced, dtype):
+def test_emulated_dtype_is_attended_in_float32(monkeypatch, forced, dtype, autocast):
     """Where the CPU emulates the dtype, eager runs on float32 copies of q, k, v (as SDPA's math path does; emulated
-    bf16 GEMMs took 7× the float32 ones) and rounds the output once: equal to float32 eager with the same masks."""
+    bf16 GEMMs took 7× the float32 ones), under bf16 autocast too, and rounds the output once: equal to float32
+    eager with the same masks."""
     from modeling_roformer_rope import onednn_roformer_rope as lin
 
     monkeypatch.setitem(lin._NATIVE, dtype, False)
@@ -186,7 +188,8 @@ def test_emulated_dtype_is_attended_in_float32(monkeypatch, forced, dtype):
     module = torch.nn.Module().train()
     module.is_causal = False
     q, k, v = (torch.randn(2, 3, 24, 8).to(dtype) for _ in range(3))
-    out, _ = attn.sdpa_attention_forward(module, q, k, v, None, dropout=0.1, scaling=8**-0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out, _ = attn.sdpa_attention_forward(module, q, k, v, None, dropout=0.1, scaling=8**-0.5)
     assert out.dtype == dtype and calls[0][0].dtype == torch.float32
     scale = dr.LEVELS / (dr.LEVELS - dr.dropped_levels(0.1))
     expected = _reference(q.float(), k.float(), v.float(), torch.ones(1, 1, 24, 24, dtype=torch.bool), ~masks[0], scale, 8**-0.5)
