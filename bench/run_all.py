@@ -80,6 +80,13 @@ def summary(sections: dict[str, Section]) -> str:
     def mark(value: float, goal: float | None, higher: bool = True) -> str:
         return goal_cell(value, goal, higher) if goal is not None else ""
 
+    def train_cells(r: dict, cells: list[tuple]) -> None:
+        """A row per (label, built-in s, ours s, built-in / ours) of a training row whose cell was timed."""
+        for label, builtin_s, ours_s, ratio in cells:
+            if ours_s is not None:
+                rows.append([label, shape_name(r["batch"], r["length"]), f"{fmt_ms(builtin_s)} ms", f"{fmt_ms(ours_s)} ms",
+                             f"{ratio:.2f}×", mark(ratio, bench_train.SPARSE_GOAL)])  # fmt: skip
+
     for key, label in (("forward", "forward fp32"), ("train", "training step fp32")):
         goals = bench_forward.GOALS if key == "forward" else bench_train.GOALS
         for r in sections[key].data["rows"] if key in sections else []:
@@ -107,21 +114,11 @@ def summary(sections: dict[str, Section]) -> str:
             ]
         )
     for r in sections["train"].data["rows"] if "train" in sections else []:
-        for label, builtin_s, ours_s, ratio in (
-            ("fp32", r.get("dropout_builtin_s"), r.get("dropout_s"), r.get("dropout_speedup")),
-            ("bf16 autocast", r.get("dropout_bf16_builtin_s"), r.get("dropout_bf16_s"), r.get("dropout_bf16_speedup")),
-        ):
-            if ours_s is not None:
-                rows.append(
-                    [
-                        f"training step {label}, dropout {bench_train.DROPOUT}, dense head",
-                        shape_name(r["batch"], r["length"]),
-                        f"{fmt_ms(builtin_s)} ms",
-                        f"{fmt_ms(ours_s)} ms",
-                        f"{ratio:.2f}×",
-                        mark(ratio, bench_train.SPARSE_GOAL),
-                    ]
-                )
+        train_cells(r, [
+            (f"training step {dtype}, dropout {bench_train.DROPOUT}, dense head", r.get(f"dropout{key}_builtin_s"),
+             r.get(f"dropout{key}_s"), r.get(f"dropout{key}_speedup"))
+            for dtype, key in (("fp32", ""), ("bf16 autocast", "_bf16"))
+        ])  # fmt: skip
     for r in sections["memory"].data["rows"] if "memory" in sections else []:
         b, o = r["builtin"]["forward_bytes"], r["ours"]["forward_bytes"]
         rows.append(
@@ -149,23 +146,11 @@ def summary(sections: dict[str, Section]) -> str:
                 ]
             )
     for r in sections["train"].data["rows"] if "train" in sections else []:
-        if r["bf16_s"] is None:
-            continue
-        for label, ours_s, ratio in (
-            ("dense head", r.get("bf16_dense_s"), r.get("bf16_dense_speedup")),
-            ("`sparse_prediction`", r["bf16_s"], r["bf16_speedup"]),
-        ):
-            if ours_s is not None:
-                rows.append(
-                    [
-                        f"training step bf16 autocast, ours {label} vs built-in",
-                        shape_name(r["batch"], r["length"]),
-                        f"{fmt_ms(r['builtin_bf16_s'])} ms",
-                        f"{fmt_ms(ours_s)} ms",
-                        f"{ratio:.2f}×",
-                        mark(ratio, bench_train.SPARSE_GOAL),
-                    ]
-                )
+        train_cells(r, [
+            (f"training step bf16 autocast, ours {label} vs built-in", r.get("builtin_bf16_s"), ours_s, ratio)
+            for label, ours_s, ratio in (("dense head", r.get("bf16_dense_s"), r.get("bf16_dense_speedup")),
+                                         ("`sparse_prediction`", r.get("bf16_s"), r.get("bf16_speedup")))
+        ])  # fmt: skip
     for r in sections["bf16"].data["rows"] if "bf16" in sections else []:
         rows.append(
             [
