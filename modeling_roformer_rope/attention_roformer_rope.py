@@ -113,12 +113,13 @@ def dropout_attention_path(
 
     With dropout_p > 0, CPU SDPA has no fused kernel: it runs its math path, the same two GEMMs and softmax as
     eager, in float32 for bf16/fp16 inputs (4× the GEMM time of bf16 on a CPU with bf16 instructions: a 12-layer
-    bf16-autocast MLM step at 4×512 with dropout 0.1 ran at 0.82× the built-in on a Zen 5 EPYC, whose eager
-    attention stays in bf16), with torch's dropout. Our eager attention does the same GEMMs in the inputs' dtype
+    bf16-autocast MLM step at 4×512 with dropout 0.1 ran at 0.89× the built-in on a Zen 5 EPYC, whose eager
+    attention stays in bf16; 1.37× on this path: `bench/results/amd-epyc-zen5-avx512-bf16/layers12-train-dropout*`),
+    with torch's dropout. Our eager attention does the same GEMMs in the inputs' dtype
     (in float32 where that dtype is emulated: `_eager_dropout_attention`) with half the dropout work
     (`dropout_roformer_rope.py`), so on CPU it is the faster by construction, and measured so
-    (`python bench/experiments.py --only dropout`: 1.14-1.30× in float32, 2.0-2.2× in bf16 on the Zen 5 EPYC; float32
-    1.14-1.23× with AVX2 kernels). It is a rule, not a timed decision, on purpose: the path decides which random
+    (`python bench/experiments.py --only dropout`: 1.14-1.36× in float32, 1.9-2.2× in bf16 on the Zen 5 EPYC; float32
+    1.14-1.31× with AVX2 kernels, where emulated bf16 in float32 is 1.10-1.33× and in bf16 0.13-0.15×). It is a rule, not a timed decision, on purpose: the path decides which random
     masks a step draws, and a choice made by timing could differ between two runs of one seed, or between a
     resumed run and an uninterrupted one. SDPA's own causal flag (a decoder given no mask) stays on SDPA, as do
     other devices and tracing. `ROFORMER_ROPE_FORCE=attention_dropout=sdpa|eager` overrides."""
