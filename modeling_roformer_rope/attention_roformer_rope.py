@@ -120,8 +120,9 @@ def dropout_attention_path(
     with torch's dropout. Our eager attention does the same GEMMs in the inputs' dtype
     (in float32 where that dtype is emulated: `_eager_dropout_attention`) with half the dropout work
     (`dropout_roformer_rope.py`), so on CPU it is the faster by construction, and measured so
-    (`python bench/experiments.py --only dropout`: 1.14-1.36× in float32, 1.9-2.2× in bf16 on the Zen 5 EPYC; float32
-    1.14-1.31× with AVX2 kernels, where emulated bf16 in float32 is 1.10-1.33× and in bf16 0.13-0.15×). It is a rule, not a timed decision, on purpose: the path decides which random
+    (`python bench/experiments.py --only dropout`: 1.29-1.33× in float32, 1.5-2.2× in bf16 on the Zen 5 EPYC; float32
+    1.14-1.31× with AVX2 kernels, where emulated bf16 in float32 is 1.10-1.33× and in bf16 0.13-0.15×, both measured
+    before the queries were scaled instead of the scores). It is a rule, not a timed decision, on purpose: the path decides which random
     masks a step draws, and a choice made by timing could differ between two runs of one seed, or between a
     resumed run and an uninterrupted one. SDPA's own causal flag (a decoder given no mask) stays on SDPA, as do
     other devices and tracing. `ROFORMER_ROPE_FORCE=attention_dropout=sdpa|eager` overrides."""
