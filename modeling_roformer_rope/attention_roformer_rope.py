@@ -116,7 +116,7 @@ def dropout_attention_path(
     With dropout_p > 0, CPU SDPA has no fused kernel: it runs its math path, the same two GEMMs and softmax as
     eager, in float32 for bf16/fp16 inputs (4× the GEMM time of bf16 on a CPU with bf16 instructions: a 12-layer
     bf16-autocast MLM step at 4×512 with dropout 0.1 ran at 0.89× the built-in on a Zen 5 EPYC, whose eager
-    attention stays in bf16; 1.37× on this path: `bench/results/amd-epyc-zen5-avx512-bf16/layers12-train-dropout*`),
+    attention stays in bf16; 1.37-1.43× on this path: `bench/results/amd-epyc-zen5-avx512-bf16/layers12-train-dropout*`),
     with torch's dropout. Our eager attention does the same GEMMs in the inputs' dtype
     (in float32 where that dtype is emulated: `_eager_dropout_attention`) with half the dropout work
     (`dropout_roformer_rope.py`), so on CPU it is the faster by construction, and measured so
