@@ -64,7 +64,7 @@ def eager_attention_forward(
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         # the dtype's minimum, not -inf: a row masked everywhere stays finite, so its (zeroed) gradient is too
         attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), torch.finfo(wide).min)
-        dead = attention_mask.logical_not().all(dim=-1)
+        dead = ~attention_mask.any(dim=-1)
     elif attention_mask is not None:
         attn_weights = attn_weights + attention_mask
         if attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
@@ -108,6 +108,9 @@ def sdpa_attention_forward(
     return out, weights
 
 
+DROPOUT_PATHS = ("eager", "sdpa")
+
+
 def dropout_attention_path(
     module: nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool | None = None, **kwargs
 ) -> str:
@@ -137,8 +140,6 @@ def dropout_attention_path(
         )
     return path
 
-
-DROPOUT_PATHS = ("eager", "sdpa")
 
 
 def _eager_dropout_attention(

@@ -53,16 +53,23 @@ class _Dropout(torch.autograd.Function):
         return grad.masked_fill(drop, 0).mul_(ctx.scale), None, None
 
 
+def _levels_here(x: torch.Tensor, p: float) -> int | None:
+    """k for `x` where the 16-bit masks apply (CPU float tensors, eager), else None (torch's dropout)."""
+    if x.device.type != "cpu" or not x.is_floating_point() or tracing():
+        return None
+    return dropped_levels(p)
+
+
 def applies(x: torch.Tensor, p: float) -> bool:
     """Whether `dropout` uses the 16-bit masks for `x` (else torch's dropout)."""
-    return x.device.type == "cpu" and x.is_floating_point() and not tracing() and dropped_levels(p) is not None
+    return _levels_here(x, p) is not None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """`F.dropout(x, p, training)` with the masks above where they apply."""
-    if not training or p == 0.0 or not applies(x, p):
+    levels = _levels_here(x, p) if training else None
+    if levels is None:
         return F.dropout(x, p, training)
-    levels = dropped_levels(p)
     drop = drop_mask(x.shape, levels)
     scale = LEVELS / (LEVELS - levels)  # 1 / (1 - p')
     if torch.is_grad_enabled() and x.requires_grad:
