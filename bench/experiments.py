@@ -29,6 +29,8 @@ Experiments
 - dropout: training-mode dropout, forward + backward, torch's vs ours (16-bit masks) on a layer's attention
   probabilities and hidden states; then one layer's attention with dropout 0.1, SDPA's math path vs our eager
   attention, forward + backward (what training with dropout runs). Use training shapes: `--shapes 8x128,4x512`.
+- softmax_dtype: a layer's bf16/fp16 attention scores, softmax forward + backward, asked for in float32 and rounded
+  back vs in the scores' dtype (what eager attention runs on CPU); same forward bits, gradient error vs float64.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
@@ -848,6 +850,38 @@ def dropout_experiment(reps: int, shapes) -> None:
                   f"| {t.ms('model'):.1f} | {t.ratio('sdpa', 'model'):.2f}× |", flush=True)  # fmt: skip
 
 
+def softmax_dtype(reps: int, shapes) -> None:
+    """The softmax of a layer's bf16/fp16 scores (B, 12, T, T), forward + backward: asked for in float32 and rounded
+    back (what `eager_attention_forward` did) vs in the scores' dtype (torch's CPU kernel computes it in float32 and
+    rounds once). Forward bits compared; the input gradient's max error against float64 for each."""
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| scores | dtype | float32, rounded back ms | in the dtype ms | ratio | same forward bits "
+          "| grad max error, float32 / in the dtype |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    dtypes = (torch.bfloat16, torch.float16)
+    for batch, length in shapes:
+        for dtype in dtypes:
+            scores = (3 * torch.randn(batch, 12, length, length)).to(dtype)
+            wide = lambda t: F.softmax(t, dim=-1, dtype=torch.float32).to(t.dtype)  # noqa: E731
+            native = lambda t: F.softmax(t, dim=-1)  # noqa: E731
+            paths = {"float32": _backward_through(wide, scores), "dtype": _backward_through(native, scores)}
+            t = interleaved(paths, reps=reps, warmup=1)
+            grad = torch.randn_like(scores)
+            errors, outputs = [], []
+            exact = scores.double().requires_grad_()
+            F.softmax(exact, dim=-1).backward(grad.double())
+            for fn in (wide, native):
+                leaf = scores.detach().requires_grad_()
+                out = fn(leaf)
+                out.backward(grad)
+                outputs.append(out)
+                errors.append((leaf.grad.double() - exact.grad).abs().max().item())
+            same = "yes" if torch.equal(*outputs) else "no"
+            print(f"| {batch}×12×{length}×{length} | {dtype} | {t.ms('float32'):.1f} | {t.ms('dtype'):.1f} "
+                  f"| {t.ratio('float32', 'dtype'):.2f}× | {same} | {errors[0]:.2g} / {errors[1]:.2g} |", flush=True)  # fmt: skip
+            del scores, paths, exact, outputs, grad
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -893,6 +927,8 @@ def main() -> None:
             emulated_gemm(args.reps)
         elif name == "dropout":
             dropout_experiment(args.reps, shapes)
+        elif name == "softmax_dtype":
+            softmax_dtype(args.reps, shapes)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")

@@ -50,8 +50,8 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax in float32 (float64 for float64) so fp16/bf16 rows never
-    overflow.
+    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax computed in float32 (float64 for float64) so fp16/bf16 rows
+    never overflow.
 
     `attention_mask` as SDPA reads it: bool keeps True positions (a fully masked row gives zeros), a float
     mask is added to the scores (a row at the dtype's minimum everywhere gives zeros too).
@@ -59,7 +59,12 @@ def eager_attention_forward(
     # scaling the (B, H, T, D) side: no pass over the (B, H, T, S) scores, forward or backward (one layer with dropout,
     # float32 4×512: 207 → 178 ms, `bench/experiments.py --only dropout`); exact for a power-of-two scaling (head size 64)
     attn_weights = torch.matmul(query * scaling, key.transpose(2, 3))  # (B, H, T, S)
-    wide = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
+    # bf16/fp16 scores on CPU stay in their dtype: torch's CPU softmax computes them in float32 and rounds once, the
+    # same bits as a float32 softmax rounded back, without two full-size float32 copies per pass (forward + backward of
+    # a layer's 4×12×512×512 bf16 scores: 41-57 ms → 5-7 ms; its backward is torch's bf16 one, as the built-in's:
+    # `python bench/experiments.py --only softmax_dtype`). Elsewhere the scores go to float32 (float64 stays float64).
+    reduced_cpu = attn_weights.device.type == "cpu" and attn_weights.dtype in (torch.bfloat16, torch.float16)
+    wide = attn_weights.dtype if reduced_cpu else torch.promote_types(attn_weights.dtype, torch.float32)
     dead = None  # (B, 1|H, T) rows masked at every key: zeros, as on SDPA, not the mean of every value (nor NaN)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         # the dtype's minimum, not -inf: a row masked everywhere stays finite, so its (zeroed) gradient is too
@@ -69,7 +74,8 @@ def eager_attention_forward(
         attn_weights = attn_weights + attention_mask
         if attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
             dead = fully_masked_rows(attention_mask)
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=wide)
+    # (None: the scores' own dtype; a float32 mask added to bf16 scores made them float32, rounded back below)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=None if reduced_cpu else wide)
     if dead is not None and (torch.compiler.is_compiling() or dead.any()):  # (a copy of the weights only where needed)
         attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
     attn_weights = attn_weights.to(query.dtype)

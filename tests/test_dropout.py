@@ -174,6 +174,43 @@ def test_eager_is_the_rule_on_cpu_and_can_be_forced(forced):
         attn.dropout_attention_path(module, torch.randn(1, 2, 8, 4), None)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "float32 under bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_softmax_is_the_float32_softmax_rounded(mask_kind, dtype):
+    """bf16/fp16 scores on CPU are softmaxed in their own dtype (no float32 copies): the weights are bit for bit a
+    float32 softmax of the same scores rounded once, fully masked rows zero; the scores' gradient stays within a few
+    of the dtype's rounding steps of float64's."""
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    q, k, v = (3 * torch.randn(2, 3, 16, 8).to(dtype) for _ in range(3))
+    keep = torch.rand(2, 1, 16, 16) > 0.3
+    keep[1, :, 5] = False  # a fully masked row
+    mask = {"none": None, "bool": keep, "float": torch.zeros(2, 1, 16, 16, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min),
+            "float32 under bf16": torch.zeros(2, 1, 16, 16).masked_fill(~keep, torch.finfo(torch.float32).min)}[mask_kind]  # fmt: skip
+    _, weights = attn.eager_attention_forward(module, q, k, v, mask, scaling=8**-0.5)
+    scores = torch.matmul(q * 8**-0.5, k.transpose(2, 3)).float()  # (2, 3, 16, 16), the eager's own bits widened
+    if mask is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(torch.float32).min) if mask.dtype == torch.bool else scores + mask.float()
+    expected = F.softmax(scores, dim=-1)
+    if mask is not None:
+        expected = expected.masked_fill(~keep.any(-1, keepdim=True), 0.0)
+    assert weights.dtype == dtype
+    torch.testing.assert_close(weights, expected.to(dtype), atol=0, rtol=0)
+    if mask is not None:
+        assert (weights[1, :, 5] == 0).all()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _ = attn.eager_attention_forward(module, *leaves, mask, scaling=8**-0.5)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference, _ = attn.eager_attention_forward(module, *wide, None if mask is None else keep, scaling=8**-0.5)
+    grad = torch.randn_like(reference)
+    out.backward(grad.to(dtype))
+    reference.backward(grad)
+    step = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # the dtype's rounding step at 1
+    for leaf, exact in zip(leaves, wide):
+        scale = exact.grad.abs().max().item()
+        assert (leaf.grad.double() - exact.grad).abs().max().item() <= 16 * step * scale
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_dtype_is_attended_in_float32(monkeypatch, forced, dtype, autocast):
