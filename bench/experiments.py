@@ -29,6 +29,8 @@ Experiments
 - dropout: training-mode dropout, forward + backward, torch's vs ours (16-bit masks) on a layer's attention
   probabilities and hidden states; then one layer's attention with dropout 0.1, SDPA's math path vs our eager
   attention, forward + backward (what training with dropout runs). Use training shapes: `--shapes 8x128,4x512`.
+- eager_blocks: one layer's inference attention per dtype, SDPA vs our oneDNN kernel vs eager attention in blocks of
+  ≤ 2²² scores, each with its error against float64 (`--shapes 1x128,8x128,2x256,1x512,4x512,1x1024,1x4096`).
 - softmax_dtype: a layer's bf16/fp16 attention scores, softmax forward + backward, asked for in float32 and rounded
   back vs in the scores' dtype (what eager attention runs on CPU); same forward bits, gradient error vs float64.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
@@ -882,6 +884,74 @@ def softmax_dtype(reps: int, shapes) -> None:
             del scores, paths, exact, outputs, grad
 
 
+def eager_blocks(reps: int, shapes) -> None:
+    """One layer's inference attention (12 heads of 64, views into a fused projection as the model passes them), per
+    dtype: SDPA, our oneDNN kernel (from MIN_KEYS keys; bf16 PV for bf16 where the CPU has bf16) and eager attention in
+    blocks (`eager_attention_in_blocks`), each with its max error against float64 on the same inputs: what
+    `onednn_attention_roformer_rope._eager_applies` rests on."""
+    from modeling_roformer_rope.eager_attention_roformer_rope import eager_attention_in_blocks
+    from modeling_roformer_rope.onednn_attention_roformer_rope import MIN_KEYS, onednn_attention
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| B×T | dtype | SDPA ms | oneDNN kernel ms | eager in blocks ms | SDPA / blocks | max error vs float64: SDPA, "
+          "kernel, blocks |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
+    for batch, length in shapes:
+        for dtype in dtypes:
+            torch.manual_seed(0)
+            qkv = (2 * torch.randn(batch, length, 3, 12, 64)).to(dtype)  # (B, T, 3, H, D), scores of a few units
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+            paths = {"sdpa": partial(lambda *t: sdpa(*t).transpose(1, 2), q, k, v),
+                     "blocks": partial(eager_attention_in_blocks, q, k, v)}  # fmt: skip
+            if length >= MIN_KEYS:
+                paths["kernel"] = partial(onednn_attention, q, k, v, bf16_pv=dtype == torch.bfloat16)
+            exact = sdpa(q.double(), k.double(), v.double()).transpose(1, 2)
+            errors = {name: (fn().double() - exact).abs().max().item() for name, fn in paths.items()}
+            with torch.no_grad():
+                t = interleaved(paths, reps=reps, warmup=1)
+            kernel = f"{t.ms('kernel'):.2f}" if "kernel" in paths else "–"
+            kernel_error = f"{errors['kernel']:.2g}" if "kernel" in paths else "–"
+            print(f"| {batch}×{length} | {dtype} | {t.ms('sdpa'):.2f} | {kernel} | {t.ms('blocks'):.2f} "
+                  f"| {t.ratio('sdpa', 'blocks'):.2f}× | {errors['sdpa']:.2g}, {kernel_error}, {errors['blocks']:.2g} |",
+                  flush=True)  # fmt: skip
+    if native_bf16():
+        _eager_blocks_in_a_model(shapes)
+
+
+def _eager_blocks_in_a_model(shapes, layers: int = 4) -> None:
+    """A bf16 model's output against its float32 twin (same weights) with the attention forced to each path: what the
+    precision of the bf16 scores costs once q and k are bf16 themselves. "×3": the q and k projections scaled by 3
+    (attention logits 9× larger, peakier weights, as trained models have)."""
+    from modeling_roformer_rope.onednn_attention_roformer_rope import MIN_KEYS
+
+    _, model = make_pair(layers, max(t for _, t in shapes))
+    print(f"\n| {layers}-layer model, B×T | q, k | RMS (max) error of the bf16 model vs float32: SDPA | oneDNN kernel, bf16 PV "
+          "| eager in blocks |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for boost in (1.0, 3.0):
+        wide = copy.deepcopy(model)
+        with torch.no_grad():
+            for layer in wide.layers:
+                layer.attention.qkv.weight[: 2 * wide.config.hidden_size] *= boost  # q and k rows of the fused projection
+        low = copy.deepcopy(wide).to(torch.bfloat16)
+        for batch, length in shapes:
+            inputs = random_batch(batch, length)
+            cells = {}
+            with torch.no_grad():
+                reference = wide(**inputs).last_hidden_state.double()
+                for path in ("sdpa", "onednn_bf16", "eager"):
+                    if path == "onednn_bf16" and length < MIN_KEYS:
+                        cells[path] = "–"
+                        continue
+                    calibration.force("attention", path)
+                    error = low(**inputs).last_hidden_state.double() - reference
+                    cells[path] = f"{error.pow(2).mean().sqrt().item():.5f} ({error.abs().max().item():.3f})"
+            calibration.force("attention", None)
+            print(f"| {batch}×{length} | ×{boost:g} | {cells['sdpa']} | {cells['onednn_bf16']} | {cells['eager']} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -929,6 +999,8 @@ def main() -> None:
             dropout_experiment(args.reps, shapes)
         elif name == "softmax_dtype":
             softmax_dtype(args.reps, shapes)
+        elif name == "eager_blocks":
+            eager_blocks(args.reps, shapes)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")

@@ -3,9 +3,10 @@
 `attention_class(config, layer_idx)` maps a layer to its module: softmax attention (paper eq. 2 with eq. 34's
 rotary queries/keys), or linear attention (eq. 19) / Performer FAVOR+ from `linear_attention_roformer_rope.py`.
 For softmax layers, `softmax_attention_function(config)` maps `config._attn_implementation` to a function of
-the transformers attention interface: `eager` (below), `flash_attention_*` and `flex_attention` from
-`ALL_ATTENTION_FUNCTIONS`, and `sdpa`, which on CPU inference with long inputs runs our exact blocked kernel
-(`onednn_attention_roformer_rope.py`) and otherwise `F.scaled_dot_product_attention`.
+the transformers attention interface: `eager` (`eager_attention_roformer_rope.py`), `flash_attention_*` and
+`flex_attention` from `ALL_ATTENTION_FUNCTIONS`, and `sdpa`, which on CPU inference runs whichever measures fastest
+of `F.scaled_dot_product_attention`, our exact blocked kernel for long inputs (`onednn_attention_roformer_rope.py`)
+and eager attention in blocks, and otherwise `F.scaled_dot_product_attention`.
 
 Shapes: B batch, T queries, S keys (past + T with a cache), H heads, D head size.
 """
@@ -20,7 +21,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .calibration_roformer_rope import forced
-from .dropout_roformer_rope import dropout as dropout_fn
+from .eager_attention_roformer_rope import eager_attention_forward, eager_blocks_forward, fully_masked_rows
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention
 from .onednn_attention_roformer_rope import onednn_attention_forward, onednn_attention_path, sdpa_layout
 from .onednn_roformer_rope import _NATIVE, RoFormerRopeLinear, rotate_qkv, tracing
@@ -40,50 +41,6 @@ def unilm_mask_function(token_type_ids: torch.Tensor) -> Callable:
     return mask
 
 
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Unpack[TransformersKwargs],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax computed in float32 (float64 for float64) so fp16/bf16 rows
-    never overflow.
-
-    `attention_mask` as SDPA reads it: bool keeps True positions (a fully masked row gives zeros), a float
-    mask is added to the scores (a row at the dtype's minimum everywhere gives zeros too).
-    """
-    # scaling the (B, H, T, D) side: no pass over the (B, H, T, S) scores, forward or backward (one layer with dropout,
-    # float32 4×512: 207 → 178 ms, `bench/experiments.py --only dropout`); exact for a power-of-two scaling (head size 64)
-    attn_weights = torch.matmul(query * scaling, key.transpose(2, 3))  # (B, H, T, S)
-    # bf16/fp16 scores on CPU stay in their dtype: torch's CPU softmax computes them in float32 and rounds once, the
-    # same bits as a float32 softmax rounded back, without two full-size float32 copies per pass (forward + backward of
-    # a layer's 4×12×512×512 bf16 scores: 41-57 ms → 5-7 ms; its backward is torch's bf16 one, as the built-in's:
-    # `python bench/experiments.py --only softmax_dtype`). Elsewhere the scores go to float32 (float64 stays float64).
-    reduced_cpu = attn_weights.device.type == "cpu" and attn_weights.dtype in (torch.bfloat16, torch.float16)
-    wide = attn_weights.dtype if reduced_cpu else torch.promote_types(attn_weights.dtype, torch.float32)
-    dead = None  # (B, 1|H, T) rows masked at every key: zeros, as on SDPA, not the mean of every value (nor NaN)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        # the dtype's minimum, not -inf: a row masked everywhere stays finite, so its (zeroed) gradient is too
-        attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), torch.finfo(wide).min)
-        dead = ~attention_mask.any(dim=-1)
-    elif attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-        if attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
-            dead = fully_masked_rows(attention_mask)
-    # (None: the scores' own dtype; a float32 mask added to bf16 scores made them float32, rounded back below)
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=None if reduced_cpu else wide)
-    if dead is not None and (torch.compiler.is_compiling() or dead.any()):  # (a copy of the weights only where needed)
-        attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
-    attn_weights = attn_weights.to(query.dtype)
-    attn_weights = dropout_fn(attn_weights, p=dropout, training=module.training)  # `dropout_roformer_rope.py`
-    attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
-    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
-
-
 def sdpa_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -93,13 +50,17 @@ def sdpa_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """"sdpa", chosen per call: long CPU inference runs on our oneDNN kernel (same semantics, faster there; for bf16
-    with bf16 PV where that measures faster), or on SDPA with compact keys and values where that measures faster
-    (`sdpa_layout`); CPU training with attention dropout on our eager attention (`dropout_attention_path`)."""
+    """"sdpa", chosen per call: CPU inference runs on our oneDNN kernel for long inputs (same semantics, faster there;
+    for bf16 with bf16 PV where that measures faster) or on eager attention in blocks (bf16 on a CPU with bf16
+    instructions) where either measures faster than SDPA (`onednn_attention_path`), or on SDPA with compact keys and
+    values where that measures faster (`sdpa_layout`); CPU training with attention dropout on our eager attention
+    (`dropout_attention_path`)."""
     if dropout and dropout_attention_path(module, query, attention_mask, **kwargs) == "eager":
         return _eager_dropout_attention(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
     path = onednn_attention_path(query, key, attention_mask, dropout, value)
-    if path is not None:
+    if path == "eager":
+        out, weights = eager_blocks_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    elif path is not None:
         out, weights = onednn_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, bf16_pv=path == "onednn_bf16", **kwargs
         )
@@ -165,11 +126,6 @@ def _eager_dropout_attention(
     with torch.autocast("cpu", enabled=False):  # autocast would hand the float32 GEMMs back to the emulated dtype
         out, weights = eager_attention_forward(module, *wide, attention_mask, **kwargs)
     return out.to(query.dtype), weights
-
-
-def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, 1|H, T) True where a float mask (B, 1|H, T, S) is at its dtype's minimum (or -inf) for every key."""
-    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1)
 
 
 def softmax_attention_function(config) -> Callable:

@@ -32,7 +32,8 @@ Shapes: B batch, H heads, T queries, S keys, D head size, Q a block of queries.
 import torch
 from torch import nn
 
-from .calibration_roformer_rope import choose, forced, length_bucket
+from .calibration_roformer_rope import choose, forced, length_bucket, row_bucket
+from .eager_attention_roformer_rope import eager_attention_in_blocks
 from .onednn_roformer_rope import _LINEAR_POINTWISE, _NATIVE, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
@@ -54,14 +55,14 @@ def onednn_attention_path(
     dropout: float,
     value: torch.Tensor | None = None,
 ) -> str | None:
-    """Which of our kernels replaces SDPA for these inputs: "onednn" (float32-attended), "onednn_bf16" (bf16 weights
-    and PV GEMM, `bf16_pv`), or None (SDPA)."""
-    if not _long_cpu_inference(query, key, value):  # tracers get SDPA (see there)
+    """Which of our inference paths replaces SDPA for these inputs: "onednn" (float32-attended), "onednn_bf16" (bf16
+    weights and PV GEMM, `bf16_pv`), "eager" (`eager_attention_in_blocks`, at any length for bf16 on a CPU with bf16
+    instructions: `_eager_applies`), or None (SDPA)."""
+    if not _cpu_inference(query, key, value):  # tracers get SDPA (see there)
         return None
     mode = read_settings()
     applicable = (
-        _LINEAR_POINTWISE is not None
-        and mode.onednn_attention_enabled
+        mode.onednn_attention_enabled
         and query.dtype == key.dtype
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and dropout == 0.0
@@ -69,10 +70,26 @@ def onednn_attention_path(
     )
     if not applicable:
         return None
-    if mode.onednn_attention == "on" and forced("attention") is None:  # a path named by ROFORMER_ROPE_FORCE wins
+    long = key.shape[2] >= MIN_KEYS and _LINEAR_POINTWISE is not None  # where the oneDNN kernel is a candidate
+    if not long and not _eager_applies(query):
+        return None
+    path = forced("attention")
+    if mode.onednn_attention == "on" and path is None and long:  # a path named by ROFORMER_ROPE_FORCE wins
         return "onednn"
-    path = _faster_here(query, key, value)
+    if path is not None and path != "sdpa" and not _forced_path_runs(path, query, value, long):
+        return None  # forced to a path these inputs cannot take: SDPA, as before that path existed
+    path = _faster_here(query, key, value, long)
     return None if path == "sdpa" else path
+
+
+def _forced_path_runs(path: str, query: torch.Tensor, value: torch.Tensor | None, long: bool) -> bool:
+    """A forced path other than SDPA that these inputs can take (`onednn_bf16` where it cannot run attends in float32,
+    see `_faster_here`; an unknown name reaches `choose`, which names the paths)."""
+    if path in ("onednn", "onednn_bf16"):
+        return long
+    if path == "eager":
+        return _eager_applies(query)
+    return True
 
 
 def onednn_attention_applies(
@@ -86,17 +103,29 @@ def onednn_attention_applies(
     return onednn_attention_path(query, key, attention_mask, dropout, value) is not None
 
 
-def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> bool:
-    """Eager CPU attention without autograd, of more than one query (not a decode step) over ≥ MIN_KEYS keys: where
-    the attention decisions below are made. Tracing is checked before any shape is read (a read becomes a guard)."""
+def _cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> bool:
+    """Eager CPU attention without autograd, of more than one query (not a decode step): where the attention decisions
+    below are made. Tracing is checked before any shape is read (a read becomes a guard)."""
     return (
         not tracing()
         and query.device.type == "cpu"
-        and key.shape[2] >= MIN_KEYS
         and query.shape[2] > 1
         and query.numel() > 0
         and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)))
     )
+
+
+def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> bool:
+    """`_cpu_inference` over ≥ MIN_KEYS keys (where the oneDNN kernel and `sdpa_layout` are decided)."""
+    return _cpu_inference(query, key, value) and key.shape[2] >= MIN_KEYS
+
+
+def _eager_applies(query: torch.Tensor) -> bool:
+    """`eager_attention_in_blocks` is a candidate: bf16 on a CPU with bf16 instructions, where its bf16 GEMMs and bf16
+    softmax beat SDPA (0.5-0.75× its time from 2×256 to 1×4096 on a Zen 5 EPYC, `python bench/experiments.py --only
+    eager_blocks`). Not float32: 1.2-2× SDPA's time at every shape measured, with AVX-512 and under an AVX2 limit. Not
+    emulated bf16 (~7× slower GEMMs than float32), nor fp16 (scores could overflow an fp16 GEMM; SDPA keeps float32)."""
+    return query.dtype == torch.bfloat16 and _NATIVE[torch.bfloat16]
 
 
 # Scores a proxy aims at (queries × keys × heads; whole heads are rounded down to at least one). One head's 256 queries (the first version) was too little
@@ -127,24 +156,45 @@ def _bf16_pv_applies(query: torch.Tensor, value: torch.Tensor) -> bool:
     return query.dtype == value.dtype == torch.bfloat16 and _NATIVE[torch.bfloat16]
 
 
-def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> str:
-    """Ours (float32-attended, or with bf16 PV for bf16 inputs) or SDPA for this (dtype, key-length bucket), timed
-    once on a slice of the problem (`_proxy`)."""
-    shape_class = ("attention", str(query.dtype), length_bucket(key.shape[2]))
+def _faster_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, long: bool = True) -> str:
+    """The fastest of SDPA and our paths that apply (`onednn_attention_path`) for this (dtype, key-length bucket),
+    timed once on a slice of the problem (`_proxy`). Below MIN_KEYS keys (`long` False: SDPA or eager only) the class
+    also holds the batch size's bucket, and the slice holds whole batch rows up to ≈ SHORT_PROXY_SCORES scores: how
+    much work one call does decides these (bf16 on a Zen 5 EPYC: eager 0.7× SDPA at 2×256, 1.25× its time at 1×128)."""
+    B, S = query.shape[0], key.shape[2]
+    if long:
+        shape_class = ("attention", str(query.dtype), length_bucket(S))
+    else:
+        shape_class = ("attention", str(query.dtype), length_bucket(S), "short", row_bucket(B))
     value = key if value is None else value
 
     def candidates():
-        q, k, v = _proxy(query, key, value)  # (1, h, t | S, D)
+        q, k, v = _proxy(query, key, value) if long else _short_proxy(query, key, value)  # (b, h, t | S, D)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        paths = {"onednn": lambda: onednn_attention(q, k, v), "sdpa": lambda: sdpa(q, k, v)}
-        if _bf16_pv_applies(q, v):
-            paths["onednn_bf16"] = lambda: onednn_attention(q, k, v, bf16_pv=True)
+        paths = {"sdpa": lambda: sdpa(q, k, v)}
+        if long:
+            paths["onednn"] = lambda: onednn_attention(q, k, v)
+            if _bf16_pv_applies(q, v):
+                paths["onednn_bf16"] = lambda: onednn_attention(q, k, v, bf16_pv=True)
+        if _eager_applies(q):
+            paths["eager"] = lambda: eager_attention_in_blocks(q, k, v)
         return paths
 
     path = forced("attention")
     if path == "onednn_bf16" and not _bf16_pv_applies(query, value):
         return "onednn"  # forced where it cannot run: the float32-attended kernel
     return choose(shape_class, candidates)
+
+
+# Scores the short-key proxy aims at: whole batch rows (all heads, queries and keys) up to this many, at least one.
+SHORT_PROXY_SCORES = 1 << 21
+
+
+def _short_proxy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a short-key attention decision is timed on: the first batch rows, ≈ SHORT_PROXY_SCORES scores or more."""
+    B, H, T, _ = query.shape
+    rows = min(B, max(1, SHORT_PROXY_SCORES // (H * T * key.shape[2])))
+    return tuple(t[:rows].detach() for t in (query, key, value))  # (rows, H, T | S, D)
 
 
 def sdpa_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:

@@ -1,0 +1,146 @@
+"""Eager softmax attention (paper eq. 2): the formula with explicit scores, for training with dropout and, in blocks
+of batch rows and heads, as one of the measured paths of CPU inference (`eager_attention_in_blocks`).
+
+Shapes: B batch, H heads, T queries, S keys, D head size.
+"""
+
+import torch
+from torch import nn
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+
+from .dropout_roformer_rope import dropout as dropout_fn
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scaling + mask) v (eq. 2); softmax computed in float32 (float64 for float64) so fp16/bf16 rows
+    never overflow.
+
+    `attention_mask` as SDPA reads it: bool keeps True positions (a fully masked row gives zeros), a float
+    mask is added to the scores (a row at the dtype's minimum everywhere gives zeros too).
+    """
+    attn_weights = attention_weights(query, key, attention_mask, scaling)  # (B, H, T, S)
+    attn_weights = dropout_fn(attn_weights, p=dropout, training=module.training)  # `dropout_roformer_rope.py`
+    attn_output = torch.matmul(attn_weights, value)  # (B, H, T, D)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, T, H, D)
+
+
+def attention_weights(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """softmax(q kᵀ · scaling + mask) (B, H, T, S) in the queries' dtype, masks read as SDPA reads them."""
+    # scaling the (B, H, T, D) side: no pass over the (B, H, T, S) scores, forward or backward (one layer with dropout,
+    # float32 4×512: 207 → 178 ms, `bench/experiments.py --only dropout`); exact for a power-of-two scaling (head size 64)
+    attn_weights = torch.matmul(query * scaling, key.transpose(2, 3))  # (B, H, T, S)
+    # bf16/fp16 scores on CPU stay in their dtype: torch's CPU softmax computes them in float32 and rounds once, the
+    # same bits as a float32 softmax rounded back, without two full-size float32 copies per pass (forward + backward of
+    # a layer's 4×12×512×512 bf16 scores: 41-57 ms → 5-7 ms; its backward is torch's bf16 one, as the built-in's:
+    # `python bench/experiments.py --only softmax_dtype`). Elsewhere the scores go to float32 (float64 stays float64).
+    reduced_cpu = attn_weights.device.type == "cpu" and attn_weights.dtype in (torch.bfloat16, torch.float16)
+    wide = attn_weights.dtype if reduced_cpu else torch.promote_types(attn_weights.dtype, torch.float32)
+    dead = None  # (B, 1|H, T) rows masked at every key: zeros, as on SDPA, not the mean of every value (nor NaN)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # the dtype's minimum, not -inf: a row masked everywhere stays finite, so its (zeroed) gradient is too
+        attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), torch.finfo(wide).min)
+        dead = ~attention_mask.any(dim=-1)
+    elif attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+        if attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
+            dead = fully_masked_rows(attention_mask)
+    # (None: the scores' own dtype; a float32 mask added to bf16 scores made them float32, rounded back below)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=None if reduced_cpu else wide)
+    if dead is not None and (torch.compiler.is_compiling() or dead.any()):  # (a copy of the weights only where needed)
+        attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
+    return attn_weights.to(query.dtype)
+
+
+def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1|H, T) True where a float mask (B, 1|H, T, S) is at its dtype's minimum (or -inf) for every key."""
+    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1)
+
+
+# Scores per block of `eager_attention_in_blocks` (8 MiB in bf16): a block's scores and weights stay in cache between
+# their passes. A layer's 4×12×512×512 bf16 scores at once took 24 ms on a Zen 5 EPYC, one batch row at a time 4 × 3 ms.
+BLOCK_SCORES = 1 << 22
+
+
+def eager_attention_in_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Inference: `attention_weights` · v over blocks of batch rows, heads and queries of ≤ BLOCK_SCORES scores each,
+    written into one output; q (B, H, T, D), k and v (B, H, S, D) (strided views allowed) → (B, T, H, Dv).
+
+    The same numbers as `eager_attention_forward` (the same GEMMs per block; the softmax is row by row), with memory
+    bounded at any length. `attention_mask` broadcasts to (B, H, T, S) (bool: True attends; float: added);
+    `is_causal` lets query i see keys j ≤ i (upper-left, as SDPA's flag)."""
+    B, H, T, D = query.shape
+    S, Dv = key.shape[2], value.shape[-1]
+    if key.shape != (B, H, S, D) or value.shape[:3] != (B, H, S):
+        raise ValueError(
+            f"eager_attention_in_blocks: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)} must be (B, H, T, D), (B, H, S, D), (B, H, S, Dv)"
+        )
+    if is_causal and attention_mask is not None:
+        raise ValueError("eager_attention_in_blocks: pass either attention_mask or is_causal, not both")
+    scaling = D**-0.5 if scaling is None else scaling
+    out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
+    if T * S <= BLOCK_SCORES:  # whole heads: as many as fit, and whole batch rows once all heads fit
+        rows = T
+        heads = min(H, max(1, BLOCK_SCORES // (T * S)))
+        batch = max(1, BLOCK_SCORES // (H * T * S)) if heads == H else 1
+    else:  # one head's queries in slices
+        rows, heads, batch = max(1, BLOCK_SCORES // S), 1, 1
+    if attention_mask is not None and (attention_mask.dim() != 4 or any(
+        n not in (1, full) for n, full in zip(attention_mask.shape, (B, H, T, S))
+    )):  # fmt: skip
+        raise ValueError(f"eager_attention_in_blocks: attention_mask {tuple(attention_mask.shape)} must broadcast to {(B, H, T, S)}")
+    keys = torch.arange(S, device=query.device)
+    for b in range(0, B, batch):
+        for h in range(0, H, heads):
+            k, v = key[b : b + batch, h : h + heads], value[b : b + batch, h : h + heads]  # (b, h, S, D | Dv)
+            for t in range(0, T, rows):
+                block = (slice(b, b + batch), slice(h, h + heads), slice(t, t + rows))
+                if is_causal:
+                    m = keys <= torch.arange(t, min(t + rows, T), device=query.device).unsqueeze(1)  # (rows, S)
+                elif attention_mask is not None:  # sliced where it is not broadcast: (b | 1, h | 1, rows | 1, S | 1)
+                    m = attention_mask[tuple(part if n > 1 else slice(None) for part, n in zip(block, attention_mask.shape))]
+                else:
+                    m = None
+                weights = attention_weights(query[block], k, m, scaling)  # (b, h, rows, S)
+                out[b : b + batch, t : t + rows, h : h + heads] = torch.matmul(weights, v).transpose(1, 2)
+    return out  # (B, T, H, Dv)
+
+
+def eager_blocks_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface signature (inference); causal exactly when SDPA's integration would be."""
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = attention_mask is None and query.shape[2] > 1 and is_causal
+    return eager_attention_in_blocks(query, key, value, attention_mask, scaling, is_causal), None
+
+
+__all__ = ["attention_weights", "eager_attention_forward", "eager_attention_in_blocks", "eager_blocks_forward",
+           "fully_masked_rows"]  # fmt: skip
