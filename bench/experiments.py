@@ -29,8 +29,9 @@ Experiments
 - dropout: training-mode dropout, forward + backward, torch's vs ours (16-bit masks) on a layer's attention
   probabilities and hidden states; then one layer's attention with dropout 0.1, SDPA's math path vs our eager
   attention, forward + backward (what training with dropout runs). Use training shapes: `--shapes 8x128,4x512`.
+- bf16_shapes: bf16 forward, built-in vs ours, at any `--shapes`, unpadded and half padded (around run_all's two).
 - eager_blocks: one layer's inference attention per dtype, SDPA vs our oneDNN kernel vs eager attention in blocks of
-  ≤ 2²² scores, each with its error against float64 (`--shapes 1x128,8x128,2x256,1x512,4x512,1x1024,1x4096`).
+  ≤ 2²¹ scores, each with its error against float64 (`--shapes 1x128,8x128,2x256,1x512,4x512,1x1024,1x4096`).
 - softmax_dtype: a layer's bf16/fp16 attention scores, softmax forward + backward, asked for in float32 and rounded
   back vs in the scores' dtype (what eager attention runs on CPU); same forward bits, gradient error vs float64.
 - attention_rate: the SDPA kernel alone vs batched GEMMs of the same FLOPs (how far attention is from the
@@ -952,6 +953,26 @@ def _eager_blocks_in_a_model(shapes, layers: int = 4) -> None:
             print(f"| {batch}×{length} | ×{boost:g} | {cells['sdpa']} | {cells['onednn_bf16']} | {cells['eager']} |", flush=True)
 
 
+def bf16_shapes(layers: int, reps: int, shapes) -> None:
+    """bf16 forward (both models cast to bf16, same weights) at any shapes, unpadded and with the last row half padded:
+    the bf16 cells of `run_all.py` hold two shapes; this checks "never slower than the built-in" around them."""
+    if not native_bf16():
+        print("bf16 is emulated on this CPU (see README): not timed")
+        return
+    builtin, ours = (m.to(torch.bfloat16) for m in make_pair(layers, max(512, max(t for _, t in shapes))))
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers")
+    print("| B×T | padded | built-in ms | ours ms | built-in / ours |\n|---|---|---|---|---|")
+    for pad in (False, True):
+        for batch, length in shapes:
+            inputs = random_batch(batch, length, pad=pad)
+            with torch.no_grad():
+                t = interleaved({"builtin": partial(builtin, **inputs), "ours": partial(ours, **inputs)}, reps=reps, warmup=2)
+            print(f"| {batch}×{length} | {'yes' if pad else 'no'} | {t.ms('builtin'):.1f} | {t.ms('ours'):.1f} "
+                  f"| {t.ratio('builtin', 'ours'):.2f}× |", flush=True)  # fmt: skip
+    chosen = [d for d in calibration.decisions() if d["class"][0] == "attention"]
+    print("\nattention decisions: " + "; ".join(f"{tuple(d['class'][1:])} → {d['choice']}" for d in chosen))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -1001,6 +1022,8 @@ def main() -> None:
             softmax_dtype(args.reps, shapes)
         elif name == "eager_blocks":
             eager_blocks(args.reps, shapes)
+        elif name == "bf16_shapes":
+            bf16_shapes(args.layers, args.reps, shapes)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")

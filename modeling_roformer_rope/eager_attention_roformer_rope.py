@@ -68,9 +68,11 @@ def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1)
 
 
-# Scores per block of `eager_attention_in_blocks` (8 MiB in bf16): a block's scores and weights stay in cache between
-# their passes. A layer's 4×12×512×512 bf16 scores at once took 24 ms on a Zen 5 EPYC, one batch row at a time 4 × 3 ms.
-BLOCK_SCORES = 1 << 22
+# Scores per block of `eager_attention_in_blocks` (4 MiB in bf16): a block's scores and weights stay in cache between
+# their passes. A layer's 4×12×512×512 bf16 scores at once took 24 ms on a Zen 5 EPYC, in blocks of 2²¹ 10.7 ms; 2²² was
+# as fast up to 2048 keys but 11% slower at 4096 (1024-query blocks), where the attention decision's proxy times one
+# 512-query block (`_proxy` in `onednn_attention_roformer_rope.py`): with 2²¹ the proxy's block is the real one.
+BLOCK_SCORES = 1 << 21
 
 
 def eager_attention_in_blocks(
