@@ -35,32 +35,47 @@ def eager_attention_forward(
 
 
 def attention_weights(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dead: torch.Tensor | bool | None = None,
 ) -> torch.Tensor:
-    """softmax(q kᵀ · scaling + mask) (B, H, T, S) in the queries' dtype, masks read as SDPA reads them."""
+    """softmax(q kᵀ · scaling + mask) (B, H, T, S) in the queries' dtype, masks read as SDPA reads them. `dead`: the
+    fully masked rows (B|1, 1|H, T) if the caller knows them (False: none), else found from the mask."""
     # scaling the (B, H, T, D) side: no pass over the (B, H, T, S) scores, forward or backward (one layer with dropout,
     # float32 4×512: 207 → 178 ms, `bench/experiments.py --only dropout`); exact for a power-of-two scaling (head size 64)
     attn_weights = torch.matmul(query * scaling, key.transpose(2, 3))  # (B, H, T, S)
     # bf16/fp16 scores on CPU stay in their dtype: torch's CPU softmax computes them in float32 and rounds once, the
     # same bits as a float32 softmax rounded back, without two full-size float32 copies per pass (forward + backward of
-    # a layer's 4×12×512×512 bf16 scores: 41-57 ms → 5-7 ms; its backward is torch's bf16 one, as the built-in's:
+    # a layer's 4×12×512×512 bf16 scores: 59-71 ms → 8-12 ms; its backward is torch's bf16 one, as the built-in's:
     # `python bench/experiments.py --only softmax_dtype`). Elsewhere the scores go to float32 (float64 stays float64).
     reduced_cpu = attn_weights.device.type == "cpu" and attn_weights.dtype in (torch.bfloat16, torch.float16)
     wide = attn_weights.dtype if reduced_cpu else torch.promote_types(attn_weights.dtype, torch.float32)
-    dead = None  # (B, 1|H, T) rows masked at every key: zeros, as on SDPA, not the mean of every value (nor NaN)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        # the dtype's minimum, not -inf: a row masked everywhere stays finite, so its (zeroed) gradient is too
-        attn_weights = attn_weights.to(wide).masked_fill(attention_mask.logical_not(), torch.finfo(wide).min)
-        dead = ~attention_mask.any(dim=-1)
-    elif attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-        if attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
+        attention_mask, rows = additive_mask(attention_mask, wide)
+        dead = rows if dead is None else dead
+    if attention_mask is not None:
+        # (in place on the fresh scores where the dtypes allow: their GEMM's backward needs q and k, not them)
+        attn_weights = attn_weights.to(wide)
+        same = torch.result_type(attn_weights, attention_mask) == attn_weights.dtype
+        attn_weights = attn_weights.add_(attention_mask) if same else attn_weights + attention_mask
+        if dead is None and attention_mask.is_floating_point():  # transformers' eager masks carry the dtype's minimum
             dead = fully_masked_rows(attention_mask)
     # (None: the scores' own dtype; a float32 mask added to bf16 scores made them float32, rounded back below)
     attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=None if reduced_cpu else wide)
-    if dead is not None and (torch.compiler.is_compiling() or dead.any()):  # (a copy of the weights only where needed)
+    # rows masked at every key: zeros, as on SDPA, not the mean of every value (a copy of the weights only where needed)
+    if dead is not None and dead is not False and (torch.compiler.is_compiling() or dead.any()):
         attn_weights = attn_weights.masked_fill(dead[..., None], 0.0)
     return attn_weights.to(query.dtype)
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bool mask (True attends) as a mask-sized additive one in `dtype`, 0 or the dtype's minimum (not -inf: a row
+    masked everywhere stays finite, so its zeroed gradient is too), and its fully masked rows. Added to the scores,
+    not filled into them: a broadcast `masked_fill_` of bf16 scores took 9× an `add_` (3.0 vs 0.33 ms per 2²¹)."""
+    additive = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+    return additive.masked_fill_(attention_mask.logical_not(), torch.finfo(dtype).min), ~attention_mask.any(dim=-1)
 
 
 def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -111,6 +126,14 @@ def eager_attention_in_blocks(
     )):  # fmt: skip
         raise ValueError(f"eager_attention_in_blocks: attention_mask {tuple(attention_mask.shape)} must broadcast to {(B, H, T, S)}")
     keys = torch.arange(S, device=query.device)
+    dead: torch.Tensor | bool | None = None
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # once per call, not per block
+        low = query.dtype if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        attention_mask, dead = additive_mask(attention_mask, torch.promote_types(low, query.dtype))
+    elif attention_mask is not None and attention_mask.is_floating_point():
+        dead = fully_masked_rows(attention_mask)
+    if dead is not None and not bool(dead.any()):
+        dead = False  # (one host read for the call, not one per block)
     for b in range(0, B, batch):
         for h in range(0, H, heads):
             k, v = key[b : b + batch, h : h + heads], value[b : b + batch, h : h + heads]  # (b, h, S, D | Dv)
@@ -118,11 +141,13 @@ def eager_attention_in_blocks(
                 block = (slice(b, b + batch), slice(h, h + heads), slice(t, t + rows))
                 if is_causal:
                     m = keys <= torch.arange(t, min(t + rows, T), device=query.device).unsqueeze(1)  # (rows, S)
+                    rows_dead = False
                 elif attention_mask is not None:  # sliced where it is not broadcast: (b | 1, h | 1, rows | 1, S | 1)
                     m = attention_mask[tuple(part if n > 1 else slice(None) for part, n in zip(block, attention_mask.shape))]
+                    rows_dead = dead if dead is False else dead[tuple(part if n > 1 else slice(None) for part, n in zip(block, dead.shape))]
                 else:
-                    m = None
-                weights = attention_weights(query[block], k, m, scaling)  # (b, h, rows, S)
+                    m, rows_dead = None, None
+                weights = attention_weights(query[block], k, m, scaling, rows_dead)  # (b, h, rows, S)
                 out[b : b + batch, t : t + rows, h : h + heads] = torch.matmul(weights, v).transpose(1, 2)
     return out  # (B, T, H, Dv)
 

@@ -122,7 +122,7 @@ def _long_cpu_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def _eager_applies(query: torch.Tensor) -> bool:
     """`eager_attention_in_blocks` is a candidate: bf16 on a CPU with bf16 instructions, where its bf16 GEMMs and bf16
-    softmax beat SDPA (0.5-0.75× its time from 2×256 to 1×4096 on a Zen 5 EPYC, `python bench/experiments.py --only
+    softmax beat SDPA (0.47-0.68× its time from 2×256 to 1×4096 on a Zen 5 EPYC, `python bench/experiments.py --only
     eager_blocks`). Not float32: 1.2-2× SDPA's time at every shape measured, with AVX-512 and under an AVX2 limit. Not
     emulated bf16 (~7× slower GEMMs than float32), nor fp16 (scores could overflow an fp16 GEMM; SDPA keeps float32)."""
     return query.dtype == torch.bfloat16 and _NATIVE[torch.bfloat16]
