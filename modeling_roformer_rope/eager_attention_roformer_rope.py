@@ -106,13 +106,7 @@ def eager_attention_in_blocks(
     `is_causal` lets query i see keys j ≤ i (upper-left, as SDPA's flag)."""
     B, H, T, D = query.shape
     S, Dv = key.shape[2], value.shape[-1]
-    if key.shape != (B, H, S, D) or value.shape[:3] != (B, H, S):
-        raise ValueError(
-            f"eager_attention_in_blocks: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-            f"{tuple(value.shape)} must be (B, H, T, D), (B, H, S, D), (B, H, S, Dv)"
-        )
-    if is_causal and attention_mask is not None:
-        raise ValueError("eager_attention_in_blocks: pass either attention_mask or is_causal, not both")
+    check_attention_inputs("eager_attention_in_blocks", query, key, value, attention_mask, is_causal)
     scaling = D**-0.5 if scaling is None else scaling
     out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
     if T * S <= BLOCK_SCORES:  # whole heads: as many as fit, and whole batch rows once all heads fit
@@ -164,10 +158,37 @@ def eager_blocks_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface signature (inference); causal exactly when SDPA's integration would be."""
+    causal = sdpa_causal(module, query, attention_mask, is_causal)
+    return eager_attention_in_blocks(query, key, value, attention_mask, scaling, causal), None
+
+
+def sdpa_causal(module: nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool | None) -> bool:
+    """Whether transformers' SDPA integration would pass `is_causal=True`: no mask, more than one query, and the
+    argument (else the module's flag) says causal."""
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    is_causal = attention_mask is None and query.shape[2] > 1 and is_causal
-    return eager_attention_in_blocks(query, key, value, attention_mask, scaling, is_causal), None
+    return attention_mask is None and query.shape[2] > 1 and is_causal
 
 
-__all__ = ["attention_weights", "eager_attention_forward", "eager_attention_in_blocks", "eager_blocks_forward",
-           "fully_masked_rows"]  # fmt: skip
+def check_attention_inputs(
+    name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool,
+) -> None:
+    """Raise a ValueError naming `name` unless q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv), and not both a mask
+    and `is_causal`."""
+    B, H, _, D = query.shape
+    S = key.shape[2]
+    if key.shape != (B, H, S, D) or value.shape[:3] != (B, H, S):
+        raise ValueError(
+            f"{name}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)} must be (B, H, T, D), (B, H, S, D), (B, H, S, Dv)"
+        )
+    if is_causal and attention_mask is not None:
+        raise ValueError(f"{name}: pass either attention_mask or is_causal, not both")
+
+
+__all__ = ["attention_weights", "check_attention_inputs", "eager_attention_forward", "eager_attention_in_blocks",
+           "eager_blocks_forward", "fully_masked_rows", "sdpa_causal"]  # fmt: skip

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .calibration_roformer_rope import choose, forced, length_bucket, row_bucket
-from .eager_attention_roformer_rope import eager_attention_in_blocks
+from .eager_attention_roformer_rope import check_attention_inputs, eager_attention_in_blocks, sdpa_causal
 from .onednn_roformer_rope import _LINEAR_POINTWISE, _NATIVE, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
@@ -279,13 +279,7 @@ def onednn_attention(
     """
     B, H, T, D = query.shape
     S = key.shape[2]
-    if key.shape != (B, H, S, D) or value.shape[:3] != (B, H, S):
-        raise ValueError(
-            f"onednn_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-            f"{tuple(value.shape)} must be (B, H, T, D), (B, H, S, D), (B, H, S, Dv)"
-        )
-    if is_causal and attention_mask is not None:
-        raise ValueError("onednn_attention: pass either attention_mask or is_causal, not both")
+    check_attention_inputs("onednn_attention", query, key, value, attention_mask, is_causal)
     if bf16_pv and not _bf16_pv_applies(query, value):
         raise ValueError(
             f"onednn_attention: bf16_pv needs bf16 queries and values on a CPU with bf16 instructions "
@@ -399,9 +393,8 @@ def onednn_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface signature; causal exactly when SDPA's integration would be."""
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    is_causal = attention_mask is None and query.shape[2] > 1 and is_causal
-    return onednn_attention(query, key, value, attention_mask, scaling, is_causal, bf16_pv=bf16_pv), None
+    causal = sdpa_causal(module, query, attention_mask, is_causal)
+    return onednn_attention(query, key, value, attention_mask, scaling, causal, bf16_pv=bf16_pv), None
 
 
 __all__ = [
