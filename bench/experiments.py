@@ -29,6 +29,8 @@ Experiments
 - dropout: training-mode dropout, forward + backward, torch's vs ours (16-bit masks) on a layer's attention
   probabilities and hidden states; then one layer's attention with dropout 0.1, SDPA's math path vs our eager
   attention, forward + backward (what training with dropout runs). Use training shapes: `--shapes 8x128,4x512`.
+- eager_compact: the GEMMs of eager attention in blocks for one group of heads, on the model's strided key/value
+  views vs on compact copies made once per group (why `eager_attention_in_blocks` copies them).
 - bf16_shapes: bf16 forward, built-in vs ours, at any `--shapes`, unpadded and half padded (around run_all's two).
 - eager_blocks: one layer's inference attention per dtype, SDPA vs our oneDNN kernel vs eager attention in blocks of
   ≤ 2²¹ scores, each with its error against float64 (`--shapes 1x128,8x128,2x256,1x512,4x512,1x1024,1x4096`).
@@ -953,6 +955,45 @@ def _eager_blocks_in_a_model(shapes, layers: int = 4) -> None:
             print(f"| {batch}×{length} | ×{boost:g} | {cells['sdpa']} | {cells['onednn_bf16']} | {cells['eager']} |", flush=True)
 
 
+def _block_gemms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor, compact: bool) -> None:
+    """q (1, h, T, D) · kᵀ and `weights` (1, h, rows, S) · v for every slice of `rows` queries, on k and v (1, h, S, D)
+    as given or on compact copies made first."""
+    k, v = (k.contiguous(), v.contiguous()) if compact else (k, v)
+    rows = weights.shape[2]
+    for t in range(0, q.shape[2], rows):
+        torch.matmul(q[:, :, t : t + rows] * 0.125, k.transpose(2, 3))  # (1, h, rows, S)
+        torch.matmul(weights, v)  # (1, h, rows, D)
+
+
+def eager_compact(reps: int, shapes, scores: int = 1 << 21) -> None:
+    """The two GEMMs of `eager_attention_in_blocks` (one layer, 12 heads of 64, bf16 where the CPU has bf16, else
+    float32) for every block of one group of heads, on the model's strided key/value views (the GEMM makes a transposing
+    copy of the keys for each block) vs on compact copies made once per group (copies timed in): why the blocks copy."""
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| B×T | dtype | heads × queries per block | blocks per group | strided views ms | compact copies ms "
+          "| ratio | per layer: strided / compact ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    dtype = torch.bfloat16 if native_bf16() else torch.float32
+    H = 12
+    for batch, length in shapes:
+        torch.manual_seed(0)
+        qkv = torch.randn(batch, length, 3, H, 64).to(dtype)  # (B, T, 3, H, D)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+        # the block geometry of `eager_attention_in_blocks` (BLOCK_SCORES = `scores`), one group of heads of one row
+        heads = max(1, min(H, scores // (length * length)))
+        rows = length if length * length <= scores else scores // length
+        k_g, v_g = k[:1, :heads], v[:1, :heads]  # (1, h, S, D) views
+        weights = torch.softmax(torch.randn(1, heads, rows, length), dim=-1).to(dtype)  # (1, h, rows, S)
+
+        group = partial(_block_gemms, q[:1, :heads], k_g, v_g, weights)
+        with torch.no_grad():
+            t = interleaved({"strided": partial(group, False), "compact": partial(group, True)}, reps=reps, warmup=1)
+        per_layer = batch * H / heads
+        print(f"| {batch}×{length} | {dtype} | {heads} × {rows} | {length // rows} | {t.ms('strided'):.3f} "
+              f"| {t.ms('compact'):.3f} | {t.ratio('strided', 'compact'):.2f}× "
+              f"| {per_layer * t.ms('strided'):.1f} / {per_layer * t.ms('compact'):.1f} |", flush=True)  # fmt: skip
+
+
 def bf16_shapes(layers: int, reps: int, shapes) -> None:
     """bf16 forward (both models cast to bf16, same weights) at any shapes, unpadded and with the last row half padded:
     the bf16 cells of `run_all.py` hold two shapes; this checks "never slower than the built-in" around them."""
@@ -1022,6 +1063,8 @@ def main() -> None:
             softmax_dtype(args.reps, shapes)
         elif name == "eager_blocks":
             eager_blocks(args.reps, shapes)
+        elif name == "eager_compact":
+            eager_compact(args.reps, shapes)
         elif name == "bf16_shapes":
             bf16_shapes(args.layers, args.reps, shapes)
         else:

@@ -48,6 +48,7 @@ def instrument(model: torch.nn.Module) -> None:
     attention.ALL_ATTENTION_FUNCTIONS["sdpa"] = scoped("attention", attention.ALL_ATTENTION_FUNCTIONS["sdpa"])
     attention.eager_attention_forward = scoped("attention", attention.eager_attention_forward)
     attention.onednn_attention_forward = scoped("attention", attention.onednn_attention_forward)
+    attention.eager_blocks_forward = scoped("attention", attention.eager_blocks_forward)
     base = model.base_model
     base._attention_mask = scoped("mask", base._attention_mask)
     base.rotary_emb.forward = scoped("rotary tables", base.rotary_emb.forward)
