@@ -31,6 +31,8 @@ Experiments
   attention, forward + backward (what training with dropout runs). Use training shapes: `--shapes 8x128,4x512`.
 - eager_compact: the GEMMs of eager attention in blocks for one group of heads, on the model's strided key/value
   views vs on compact copies made once per group (why `eager_attention_in_blocks` copies them).
+- eager_padding: one layer's inference attention under a key-padding mask, each batch row on its kept keys vs the
+  masked computation on every key: eager in blocks (bf16) and the oneDNN kernel (float32, bf16 PV).
 - bf16_shapes: bf16 forward, built-in vs ours, at any `--shapes`, unpadded and half padded (around run_all's two).
 - eager_blocks: one layer's inference attention per dtype, SDPA vs our oneDNN kernel vs eager attention in blocks of
   ≤ 2²¹ scores, each with its error against float64 (`--shapes 1x128,8x128,2x256,1x512,4x512,1x1024,1x4096`).
@@ -994,6 +996,61 @@ def eager_compact(reps: int, shapes, scores: int = 1 << 21) -> None:
               f"| {per_layer * t.ms('strided'):.1f} / {per_layer * t.ms('compact'):.1f} |", flush=True)  # fmt: skip
 
 
+def eager_padding(reps: int, shapes) -> None:
+    """One layer's inference attention (12 heads of 64, fused-projection views) under a key-padding mask (B, 1, T, S),
+    the last batch row half padded and, second, every row a random length from T/4 to T: each batch row on its kept
+    keys with no mask (what eager attention in blocks and the oneDNN kernel do with such a mask) vs the masked
+    computation on every key (the same mask given as an additive one, which is never read as key padding). Eager in
+    blocks where it is a candidate (bf16 with bf16 instructions), the oneDNN kernel from MIN_KEYS keys (float32; and bf16
+    PV). Where blocks hold several batch rows (short inputs, where the blocks keep the mask), also one row per block."""
+    from modeling_roformer_rope import eager_attention_roformer_rope as ea
+    from modeling_roformer_rope.onednn_attention_roformer_rope import MIN_KEYS, onednn_attention
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print("| B×T | lengths | path | masked ms | kept keys ms | masked / kept | one row per block ms |")
+    print("|---|---|---|---|---|---|---|")
+    H = 12
+    for batch, length in shapes:
+        g = torch.Generator().manual_seed(0)
+        for lengths_name, lengths in (("last half", [length] * (batch - 1) + [length // 2]),
+                                      ("random", torch.randint(length // 4, length + 1, (batch,), generator=g).tolist())):  # fmt: skip
+            keep = torch.arange(length) < torch.tensor(lengths)[:, None]  # (B, S)
+            mask = keep[:, None, None, :].expand(batch, 1, length, length).contiguous()  # (B, 1, T, S)
+            paths = {}
+            if native_bf16():
+                paths["blocks bf16"] = (ea.eager_attention_in_blocks, torch.bfloat16, {})
+            if length >= MIN_KEYS:
+                paths["kernel float32"] = (onednn_attention, torch.float32, {})
+                if native_bf16():
+                    paths["kernel bf16 PV"] = (onednn_attention, torch.bfloat16, {"bf16_pv": True})
+            for name, (fn, dtype, kwargs) in paths.items():
+                torch.manual_seed(0)
+                qkv = torch.randn(batch, length, 3, H, 64).to(dtype)  # (B, T, 3, H, D)
+                q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+                additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+                runs = {"masked": partial(fn, q, k, v, additive, **kwargs), "kept": partial(fn, q, k, v, mask, **kwargs)}
+                several = fn is ea.eager_attention_in_blocks and H * length * length * 2 <= ea.BLOCK_SCORES
+                if several:
+                    runs["one row"] = partial(_one_row_per_block, q, k, v, mask)
+                with torch.no_grad():
+                    t = interleaved(runs, reps=reps, warmup=1)
+                one_row = f"{t.ms('one row'):.2f}" if several else "–"
+                print(f"| {batch}×{length} | {lengths_name} | {name} | {t.ms('masked'):.2f} | {t.ms('kept'):.2f} "
+                      f"| {t.ratio('masked', 'kept'):.2f}× | {one_row} |", flush=True)  # fmt: skip
+
+
+def _one_row_per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`eager_attention_in_blocks` with blocks of one batch row (all heads), so that a key-padding mask is read as one."""
+    from modeling_roformer_rope import eager_attention_roformer_rope as ea
+
+    saved = ea.BLOCK_SCORES
+    ea.BLOCK_SCORES = q.shape[1] * q.shape[2] * k.shape[2]  # (H·T·S: all heads of one row)
+    try:
+        return ea.eager_attention_in_blocks(q, k, v, mask)
+    finally:
+        ea.BLOCK_SCORES = saved
+
+
 def bf16_shapes(layers: int, reps: int, shapes) -> None:
     """bf16 forward (both models cast to bf16, same weights) at any shapes, unpadded and with the last row half padded:
     the bf16 cells of `run_all.py` hold two shapes; this checks "never slower than the built-in" around them."""
@@ -1065,6 +1122,8 @@ def main() -> None:
             eager_blocks(args.reps, shapes)
         elif name == "eager_compact":
             eager_compact(args.reps, shapes)
+        elif name == "eager_padding":
+            eager_padding(args.reps, shapes)
         elif name == "bf16_shapes":
             bf16_shapes(args.layers, args.reps, shapes)
         else:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .calibration_roformer_rope import choose, forced, length_bucket, row_bucket
-from .eager_attention_roformer_rope import check_attention_inputs, eager_attention_in_blocks, sdpa_causal
+from .eager_attention_roformer_rope import check_attention_inputs, eager_attention_in_blocks, key_padding, sdpa_causal
 from .onednn_roformer_rope import _LINEAR_POINTWISE, _NATIVE, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
@@ -290,6 +290,11 @@ def onednn_attention(
     mm = _LINEAR_POINTWISE
     block = block or _block_rows(S)
     tiny = torch.finfo(torch.float32).tiny
+    # a key-padding mask: each batch row attends to its kept keys only, with no mask (the padded keys' weights are exact
+    # zeros: the same attention on fewer keys; float32 1×4096 half padded, a layer ~2× faster, `--only eager_padding`)
+    padding = None if is_causal else key_padding(attention_mask)  # (B | 1, S)
+    if padding is not None:
+        attention_mask, kept = None, padding.sum(dim=-1).tolist()  # keys per batch row (one host read)
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             # Into base-2 units once. Finite values stay finite (finfo.min·log₂e would overflow to −inf):
@@ -323,7 +328,7 @@ def onednn_attention(
     def attend(hh: int, h: int, start: int, safe: bool) -> None:
         """Query block `start` of head h (hh within its group) of batch row b into `out`; row sums into denoms[hh]."""
         stop = min(start + block, T)
-        keys = S if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
+        keys = S_b if not is_causal else min(S, stop)  # causal: keys after the block's last query unseen
         # oneDNN's "weight" (N, K) must be dense, contiguous or the transpose of a contiguous tensor: one with gaps
         # between rows (the model's views into its fused projection, a column slice) falls to a kernel ~400-1000×
         # slower (180 ms vs 0.45 ms at 512 × 512 × 64, `python bench/experiments.py --only attention_operands`). k_g's rows are contiguous and v_g's rows, read as
@@ -354,13 +359,23 @@ def onednn_attention(
             torch.div(mm(weights, v_t, None, "none", [], ""), denom, out=out[b, start:stop, h])  # (Q, Dv)
 
     for b in range(B):
+        S_b, index = S, None  # this batch row's keys: all, or the kept ones of a key-padding mask
+        if padding is not None:
+            S_b = kept[b if len(kept) > 1 else 0]
+            if S_b == 0:  # every key masked: zeros, as SDPA gives
+                out[b] = 0
+                continue
+            index = None if S_b == S else padding[b if len(kept) > 1 else 0].nonzero().squeeze(1)  # (S_b,)
         for h0 in range(0, H, group):
             g = min(group, H - h0)
-            k_g = torch.empty(g, S, D, **floats).copy_(key[b, h0 : h0 + g])  # (g, S, D) float32, compact
+            k_b, v_b = key[b, h0 : h0 + g], value[b, h0 : h0 + g]  # (g, S, D | Dv) views
+            if index is not None:
+                k_b, v_b = k_b.index_select(1, index), v_b.index_select(1, index)  # (g, S_b, D | Dv)
+            k_g = torch.empty(g, S_b, D, **floats).copy_(k_b)  # (g, S_b, D) float32, compact
             # Compact values, in bf16 for `bf16_pv`. Not transposed: a (g, Dv, S) copy takes 1.6-4.5× as long as this
             # one at 512-2048 keys, and oneDNN reads the transposed view as fast (`--only attention_operands`).
-            v_g = torch.empty(g, S, Dv, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
-            v_g.copy_(value[b, h0 : h0 + g])  # (g, S, Dv)
+            v_g = torch.empty(g, S_b, Dv, dtype=value.dtype if bf16_pv else torch.float32, device=query.device)
+            v_g.copy_(v_b)  # (g, S_b, Dv)
             # max |v| of the group bounds |numerator| / denominator (`_well_scaled`); bf16 PV normalises its weights
             # first, so |output| ≤ max |v| whatever the values. Over the compact copy: over the strided views it
             # costs a hidden copy of every value first (1.8-2.3× the time, `--only attention_operands`).

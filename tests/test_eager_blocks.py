@@ -57,6 +57,45 @@ def test_equals_eager_on_the_whole_problem(monkeypatch, block_scores, mask, B, H
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
+def padding_mask(B, T, S, lengths, full_rows=True):
+    """A key-padding mask: batch row b attends to its first lengths[b] keys, as (B, 1, T, S) (what transformers builds
+    from a 2-D padding mask) or (B, 1, 1, S)."""
+    keep = torch.arange(S) < torch.tensor(lengths)[:, None]  # (B, S)
+    return keep[:, None, None, :].expand(B, 1, T if full_rows else 1, S).contiguous()
+
+
+@pytest.mark.parametrize("block_scores", [1 << 22, 300, 7])
+@pytest.mark.parametrize("full_rows", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_padding_attends_to_the_kept_keys_only(monkeypatch, block_scores, full_rows, dtype):
+    """A key-padding mask: each batch row runs on its kept keys with no mask; the same output as one eager call with
+    the mask (a row with no key kept gives zeros, as on SDPA; one with every key kept runs unmasked)."""
+    monkeypatch.setattr(ea, "BLOCK_SCORES", block_scores)
+    q, k, v = (t.to(dtype) for t in views(4, 3, 20, 20))
+    m = padding_mask(4, 20, 20, [20, 11, 0, 1], full_rows)
+    assert ea.key_padding(m).tolist() == m[:, 0, 0].tolist()
+    expected, _ = ea.eager_attention_forward(Module().eval(), q, k, v, m, 0.25)
+    got = ea.eager_attention_in_blocks(q, k, v, m, 0.25)
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, expected, **tolerance)
+    assert (got[2] == 0).all()
+    unmasked = ea.eager_attention_in_blocks(q[:1], k[:1], v[:1], None, 0.25)
+    assert torch.equal(got[:1], unmasked)  # every key kept: the unmasked computation, bit for bit
+
+
+def test_key_padding_only_for_masks_that_are_one():
+    """Masks whose query rows differ, per-head masks, float masks: not a key-padding mask (the masked path runs)."""
+    m = padding_mask(2, 6, 6, [6, 3])
+    assert ea.key_padding(m) is not None
+    rows_differ = m.clone()
+    rows_differ[1, 0, 4, 0] = False
+    assert ea.key_padding(rows_differ) is None
+    assert ea.key_padding(m.expand(2, 3, 6, 6)) is None  # (B, H, T, S): per head
+    assert ea.key_padding(m.float()) is None
+    assert ea.key_padding(None) is None
+    assert ea.key_padding(torch.ones(2, 1, 6, 6, dtype=torch.bool)).all()
+
+
 @pytest.mark.parametrize("block_scores", [1 << 22, 300, 7])
 def test_causal_is_upper_left_and_fully_masked_rows_give_zeros(monkeypatch, block_scores):
     monkeypatch.setattr(ea, "BLOCK_SCORES", block_scores)

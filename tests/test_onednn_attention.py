@@ -82,6 +82,28 @@ def test_boolean_mask_with_padding_and_fully_masked_rows():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2))
 
 
+@pytest.mark.parametrize("full_rows", [True, False])
+@pytest.mark.parametrize("bf16_pv", [False, True])
+def test_key_padding_attends_to_the_kept_keys_only(full_rows, bf16_pv, monkeypatch):
+    """A key-padding mask ((B, 1, T | 1, S), every query row the same): each batch row runs on its kept keys, unmasked;
+    the oracle's output, zeros for a row with no key kept (as SDPA), and the unmasked output where all are kept."""
+    if bf16_pv and not oa._NATIVE[torch.bfloat16]:
+        pytest.skip("bf16 PV needs bf16 instructions")
+    B, T = 4, 520
+    q, k, v = (t.to(torch.bfloat16 if bf16_pv else torch.float32) for t in qkv_views(B, T))
+    keep = torch.arange(T) < torch.tensor([T, 300, 0, 1])[:, None]  # (B, S)
+    mask = keep[:, None, None, :].expand(B, 1, T if full_rows else 1, T)
+    gemms = []
+    real = oa._LINEAR_POINTWISE
+    monkeypatch.setattr(oa, "_LINEAR_POINTWISE", lambda x, w, *args: gemms.append(w.shape) or real(x, w, *args))
+    out = oa.onednn_attention(q, k, v, mask, bf16_pv=bf16_pv)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if not bf16_pv else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), oracle(q, k, v, mask), **tolerance)
+    assert (out[2] == 0).all()
+    assert torch.equal(out[:1], oa.onednn_attention(q[:1], k[:1], v[:1], bf16_pv=bf16_pv))
+    assert {shape[0] for shape in gemms[::2]} == {T, 300, 1}  # the scores' GEMMs ran on the kept keys only
+
+
 def test_float_mask_is_added_per_head():
     B, H, T = 1, 3, 520
     q, k, v = qkv_views(B, T, H=H)
