@@ -33,7 +33,8 @@ Experiments
   views vs on compact copies made once per group (why `eager_attention_in_blocks` copies them).
 - eager_padding: one layer's inference attention under a key-padding mask, each batch row on its kept keys vs the
   masked computation on every key: eager in blocks (bf16) and the oneDNN kernel (float32, bf16 PV).
-- bf16_shapes: bf16 forward, built-in vs ours, at any `--shapes`, unpadded and half padded (around run_all's two).
+- bf16_shapes: bf16 forward, built-in vs ours, at any `--shapes`, unpadded and half padded (around run_all's two);
+  fp32_shapes: the same in float32.
 - eager_blocks: one layer's inference attention per dtype, SDPA vs our oneDNN kernel vs eager attention in blocks of
   ≤ 2²¹ scores, each with its error against float64 (`--shapes 1x128,8x128,2x256,1x512,4x512,1x1024,1x4096`).
 - softmax_dtype: a layer's bf16/fp16 attention scores, softmax forward + backward, asked for in float32 and rounded
@@ -1051,14 +1052,15 @@ def _one_row_per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         ea.BLOCK_SCORES = saved
 
 
-def bf16_shapes(layers: int, reps: int, shapes) -> None:
+def bf16_shapes(layers: int, reps: int, shapes, dtype: torch.dtype = torch.bfloat16) -> None:
     """bf16 forward (both models cast to bf16, same weights) at any shapes, unpadded and with the last row half padded:
-    the bf16 cells of `run_all.py` hold two shapes; this checks "never slower than the built-in" around them."""
-    if not native_bf16():
+    the bf16 cells of `run_all.py` hold two shapes; this checks "never slower than the built-in" around them.
+    (`fp32_shapes`: the same in float32, where `run_all.py` times no padded batch.)"""
+    if dtype == torch.bfloat16 and not native_bf16():
         print("bf16 is emulated on this CPU (see README): not timed")
         return
-    builtin, ours = (m.to(torch.bfloat16) for m in make_pair(layers, max(512, max(t for _, t in shapes))))
-    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers")
+    builtin, ours = (m.to(dtype) for m in make_pair(layers, max(512, max(t for _, t in shapes))))
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers, {dtype}")
     print("| B×T | padded | built-in ms | ours ms | built-in / ours |\n|---|---|---|---|---|")
     for pad in (False, True):
         for batch, length in shapes:
@@ -1126,6 +1128,8 @@ def main() -> None:
             eager_padding(args.reps, shapes)
         elif name == "bf16_shapes":
             bf16_shapes(args.layers, args.reps, shapes)
+        elif name == "fp32_shapes":
+            bf16_shapes(args.layers, args.reps, shapes, torch.float32)
         else:
             raise SystemExit(f"unknown experiment {name!r}")
     print(f"[{time.time() - start:.0f} s]")
