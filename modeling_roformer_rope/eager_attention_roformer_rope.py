@@ -114,7 +114,8 @@ def eager_attention_in_blocks(
     written into one output; q (B, H, T, D), k and v (B, H, S, D) (strided views allowed) → (B, T, H, Dv).
 
     The same numbers as `eager_attention_forward` (the same GEMMs per block; the softmax is row by row), with memory
-    bounded at any length. `attention_mask` broadcasts to (B, H, T, S) (bool: True attends; float: added);
+    bounded at any length; under a key-padding mask (`key_padding`), blocks of one batch row run on that row's kept
+    keys unmasked: the same attention, its sums over fewer terms. `attention_mask` broadcasts to (B, H, T, S) (bool: True attends; float: added);
     `is_causal` lets query i see keys j ≤ i (upper-left, as SDPA's flag)."""
     B, H, T, D = query.shape
     S, Dv = key.shape[2], value.shape[-1]
@@ -133,10 +134,11 @@ def eager_attention_in_blocks(
         raise ValueError(f"eager_attention_in_blocks: attention_mask {tuple(attention_mask.shape)} must broadcast to {(B, H, T, S)}")
     keys = torch.arange(S, device=query.device)
     # A key-padding mask, where blocks hold one batch row: each row attends to its kept keys only, with no mask (its
-    # padded keys' weights are exact zeros: the same attention on fewer keys; bf16 1×4096 half padded, a layer 175 →
-    # 75 ms, 4×512 with a row half padded 10.8 → 8.8 ms). Not where blocks hold several rows (short inputs): one row
-    # per block there took 1.2-2.5× the masked blocks' time (`python bench/experiments.py --only eager_padding`).
-    padding = None if is_causal or batch > 1 else key_padding(attention_mask)  # (B | 1, S)
+    # padded keys' weights are exact zeros: the same attention on fewer keys; bf16 on a Zen 5 EPYC, a layer at 1×4096
+    # half padded 157 → 70 ms, at 4×512 with a row half padded 12.2 → 10.1 ms). Not where blocks hold several rows
+    # (short inputs): one row per block there took 0.87-1.33× the masked blocks' time, slower in half the cases
+    # (`python bench/experiments.py --only eager_padding`).
+    padding = None if is_causal or min(batch, B) > 1 else key_padding(attention_mask)  # (B | 1, S)
     if padding is not None:
         attention_mask, kept = None, padding.sum(dim=-1).tolist()  # keys per batch row (one host read)
     dead: torch.Tensor | bool | None = None
@@ -158,8 +160,9 @@ def eager_attention_in_blocks(
         for h in range(0, H, heads):
             k, v = key[b : b + batch, h : h + heads], value[b : b + batch, h : h + heads]  # (b, h, S, D | Dv)
             # compact copies: the GEMMs read the model's strided views (rows 3·H·D apart) through a transposing copy
-            # per block; a plain copy per group of heads costs less and serves every query slice of those heads (bf16
-            # 1×4096: 149 → 136 ms a layer, 2×256 to 4×512: 8-14% faster on a Zen 5 EPYC; `bench/experiments.py --only eager_compact`)
+            # per block; a plain copy per group of heads costs less and serves every query slice of those heads (a
+            # layer's GEMMs at bf16 1×4096: 117 → 100 ms, 8×128 to 4×512: 3-6% faster on a Zen 5 EPYC;
+            # `python bench/experiments.py --only eager_compact`)
             if index is None:
                 k, v = k.contiguous(), v.contiguous()  # (b, h, S, D | Dv)
             else:

@@ -81,6 +81,8 @@ def test_key_padding_attends_to_the_kept_keys_only(monkeypatch, block_scores, fu
     assert (got[2] == 0).all()
     unmasked = ea.eager_attention_in_blocks(q[:1], k[:1], v[:1], None, 0.25)
     assert torch.equal(got[:1], unmasked)  # every key kept: the unmasked computation, bit for bit
+    one_row = ea.eager_attention_in_blocks(q[1:2], k[1:2], v[1:2], m[1:2], 0.25)  # blocks of one row at any size
+    assert torch.equal(one_row, ea.eager_attention_in_blocks(q[1:2], k[1:2, :, :11], v[1:2, :, :11], None, 0.25))
 
 
 def test_key_padding_only_for_masks_that_are_one():
