@@ -90,6 +90,14 @@ def key_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return first[:, 0, 0]  # (B|1, S)
 
 
+def kept_keys(padding: torch.Tensor, kept: list[int], b: int) -> tuple[int, torch.Tensor | None]:
+    """Batch row b of a key-padding mask `padding` (B|1, S) with `kept` keys per row: how many keys it attends to, and
+    their (n,) indices (None: every key)."""
+    row = b if len(kept) > 1 else 0
+    n = kept[row]
+    return n, None if n == padding.shape[-1] else padding[row].nonzero().squeeze(1)
+
+
 def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, 1|H, T) True where a float mask (B, 1|H, T, S) is at its dtype's minimum (or -inf) for every key."""
     return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1)
@@ -150,13 +158,10 @@ def eager_attention_in_blocks(
     if dead is not None and not bool(dead.any()):
         dead = False  # (one host read for the call, not one per block)
     for b in range(0, B, batch):
-        index = None  # the batch row's kept keys, where a key-padding mask drops some
-        if padding is not None:
-            n = kept[b if len(kept) > 1 else 0]
-            if n == 0:  # every key masked: zeros, as SDPA gives
-                out[b] = 0
-                continue
-            index = None if n == S else padding[b if len(kept) > 1 else 0].nonzero().squeeze(1)  # (n,)
+        n, index = kept_keys(padding, kept, b) if padding is not None else (S, None)  # the row's keys: (n,) or all
+        if n == 0:  # every key masked: zeros, as SDPA gives
+            out[b] = 0
+            continue
         for h in range(0, H, heads):
             k, v = key[b : b + batch, h : h + heads], value[b : b + batch, h : h + heads]  # (b, h, S, D | Dv)
             # compact copies: the GEMMs read the model's strided views (rows 3·H·D apart) through a transposing copy
@@ -227,4 +232,4 @@ def check_attention_inputs(
 
 
 __all__ = ["attention_weights", "check_attention_inputs", "eager_attention_forward", "eager_attention_in_blocks",
-           "eager_blocks_forward", "fully_masked_rows", "key_padding", "sdpa_causal"]  # fmt: skip
+           "eager_blocks_forward", "fully_masked_rows", "key_padding", "kept_keys", "sdpa_causal"]  # fmt: skip

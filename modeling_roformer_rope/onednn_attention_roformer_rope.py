@@ -33,7 +33,13 @@ import torch
 from torch import nn
 
 from .calibration_roformer_rope import choose, forced, length_bucket, row_bucket
-from .eager_attention_roformer_rope import check_attention_inputs, eager_attention_in_blocks, key_padding, sdpa_causal
+from .eager_attention_roformer_rope import (
+    check_attention_inputs,
+    eager_attention_in_blocks,
+    kept_keys,
+    key_padding,
+    sdpa_causal,
+)
 from .onednn_roformer_rope import _LINEAR_POINTWISE, _NATIVE, read_settings, settings, tracing
 
 # Below this many keys SDPA's fused kernel wins: per-call overhead outweighs the faster GEMMs.
@@ -361,13 +367,11 @@ def onednn_attention(
             torch.div(mm(weights, v_t, None, "none", [], ""), denom, out=out[b, start:stop, h])  # (Q, Dv)
 
     for b in range(B):
-        S_b, index = S, None  # this batch row's keys: all, or the kept ones of a key-padding mask
-        if padding is not None:
-            S_b = kept[b if len(kept) > 1 else 0]
-            if S_b == 0:  # every key masked: zeros, as SDPA gives
-                out[b] = 0
-                continue
-            index = None if S_b == S else padding[b if len(kept) > 1 else 0].nonzero().squeeze(1)  # (S_b,)
+        # this batch row's keys: all, or the kept ones of a key-padding mask, (S_b,) indices
+        S_b, index = kept_keys(padding, kept, b) if padding is not None else (S, None)
+        if S_b == 0:  # every key masked: zeros, as SDPA gives
+            out[b] = 0
+            continue
         for h0 in range(0, H, group):
             g = min(group, H - h0)
             k_b, v_b = key[b, h0 : h0 + g], value[b, h0 : h0 + g]  # (g, S, D | Dv) views
