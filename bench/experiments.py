@@ -1083,55 +1083,37 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     start = time.time()
+    L, R, dtype = args.layers, args.reps, getattr(torch, args.dtype)
+    experiments = {  # name → how to run it
+        "onednn_linear": lambda: onednn_experiment(L, R, shapes),
+        "linear_paths": lambda: linear_paths(L, R, shapes, dtype),
+        "packing": lambda: packing_experiment(L, R, shapes, dtype),
+        "packed_gemm": lambda: packed_gemm(R),
+        "gemm_rate": lambda: gemm_rate(R),
+        "attention_rate": lambda: attention_rate(R, shapes),
+        "attention_proxy": lambda: attention_proxy(R, shapes),
+        "attention_bf16": lambda: attention_bf16(R, shapes),
+        "attention_kernel_parts": lambda: attention_kernel_parts(R, shapes),
+        "attention_parts": lambda: attention_parts(R, shapes),
+        "op_chain": lambda: op_chain(L, R, shapes),
+        "attention_operands": lambda: attention_operands(R, shapes),
+        "zero_rows": lambda: zero_rows(R, shapes),
+        "decode_step": lambda: decode_step(L, R),
+        "small_models": lambda: small_models(R),
+        "emulated_gemm": lambda: emulated_gemm(R),
+        "dropout": lambda: dropout_experiment(R, shapes),
+        "softmax_dtype": lambda: softmax_dtype(R, shapes),
+        "eager_blocks": lambda: eager_blocks(R, shapes),
+        "eager_compact": lambda: eager_compact(R, shapes),
+        "eager_padding": lambda: eager_padding(R, shapes),
+        "bf16_shapes": lambda: bf16_shapes(L, R, shapes),
+        "fp32_shapes": lambda: bf16_shapes(L, R, shapes, torch.float32),
+    }
+    unknown = [name for name in args.only.split(",") if name not in experiments]
+    if unknown:
+        raise SystemExit(f"unknown experiment {unknown[0]!r}; the experiments are {', '.join(experiments)}")
     for name in args.only.split(","):
-        if name == "onednn_linear":
-            onednn_experiment(args.layers, args.reps, shapes)
-        elif name == "linear_paths":
-            linear_paths(args.layers, args.reps, shapes, getattr(torch, args.dtype))
-        elif name == "packing":
-            packing_experiment(args.layers, args.reps, shapes, getattr(torch, args.dtype))
-        elif name == "packed_gemm":
-            packed_gemm(args.reps)
-        elif name == "gemm_rate":
-            gemm_rate(args.reps)
-        elif name == "attention_rate":
-            attention_rate(args.reps, shapes)
-        elif name == "attention_proxy":
-            attention_proxy(args.reps, shapes)
-        elif name == "attention_bf16":
-            attention_bf16(args.reps, shapes)
-        elif name == "attention_kernel_parts":
-            attention_kernel_parts(args.reps, shapes)
-        elif name == "attention_parts":
-            attention_parts(args.reps, shapes)
-        elif name == "op_chain":
-            op_chain(args.layers, args.reps, shapes)
-        elif name == "attention_operands":
-            attention_operands(args.reps, shapes)
-        elif name == "zero_rows":
-            zero_rows(args.reps, shapes)
-        elif name == "decode_step":
-            decode_step(args.layers, args.reps)
-        elif name == "small_models":
-            small_models(args.reps)
-        elif name == "emulated_gemm":
-            emulated_gemm(args.reps)
-        elif name == "dropout":
-            dropout_experiment(args.reps, shapes)
-        elif name == "softmax_dtype":
-            softmax_dtype(args.reps, shapes)
-        elif name == "eager_blocks":
-            eager_blocks(args.reps, shapes)
-        elif name == "eager_compact":
-            eager_compact(args.reps, shapes)
-        elif name == "eager_padding":
-            eager_padding(args.reps, shapes)
-        elif name == "bf16_shapes":
-            bf16_shapes(args.layers, args.reps, shapes)
-        elif name == "fp32_shapes":
-            bf16_shapes(args.layers, args.reps, shapes, torch.float32)
-        else:
-            raise SystemExit(f"unknown experiment {name!r}")
+        experiments[name]()
     print(f"[{time.time() - start:.0f} s]")
 
 
