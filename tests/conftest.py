@@ -69,6 +69,24 @@ def padded_batch(vocab_size: int = 99, batch: int = 2, seq_len: int = 12, seed: 
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
 
+def decoder_or_unilm_outputs(unilm: bool, padded: bool, seq_len: int, dtype: torch.dtype = torch.float32):
+    """A tiny causal LM (or a UniLM-masked encoder) on a padded batch (every mask 1 unless `padded`): its outputs with
+    the configured attention and with the eager implementation, the valid positions, and its config."""
+    config = tiny_config(**(dict(unilm_mask=True) if unilm else dict(is_decoder=True)))
+    torch.manual_seed(0)
+    model = (rr.RoFormerRopeModel if unilm else rr.RoFormerRopeForCausalLM)(config).eval().to(dtype)
+    batch = padded_batch(seq_len=seq_len)
+    if not unilm:
+        batch.pop("token_type_ids")
+    if not padded:
+        batch["attention_mask"].fill_(1)
+    with torch.no_grad():
+        fast = model(**batch)[0]
+        model.config._attn_implementation = "eager"
+        eager = model(**batch)[0]
+    return fast, eager, batch["attention_mask"].bool(), config
+
+
 def spy(monkeypatch, owner, name: str) -> list:
     """Wrap `owner.name` for this test so that every call's result is appended to the list returned."""
     results = []

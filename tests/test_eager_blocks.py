@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import modeling_roformer_rope as rr
-from conftest import padded_batch, spy, tiny_config
+from conftest import decoder_or_unilm_outputs, padded_batch, spy, tiny_config
 from modeling_roformer_rope import attention_roformer_rope as attention
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import eager_attention_roformer_rope as ea
@@ -187,20 +187,8 @@ def test_decoder_and_unilm_equal_the_eager_implementation(forced, monkeypatch, u
     blocks, bit for bit the eager attention implementation's output in bf16."""
     forced("eager")
     calls = spy(monkeypatch, attention, "eager_blocks_forward")
-    config = tiny_config(**(dict(unilm_mask=True) if unilm else dict(is_decoder=True)))
-    torch.manual_seed(0)
-    model = (rr.RoFormerRopeModel if unilm else rr.RoFormerRopeForCausalLM)(config).eval().to(torch.bfloat16)
-    batch = padded_batch(seq_len=40)
-    if not unilm:
-        batch.pop("token_type_ids")
-    if not padded:
-        batch["attention_mask"].fill_(1)
-    with torch.no_grad():
-        fast = model(**batch)[0]
-        model.config._attn_implementation = "eager"
-        eager = model(**batch)[0]
+    fast, eager, valid, config = decoder_or_unilm_outputs(unilm, padded, seq_len=40, dtype=torch.bfloat16)
     assert len(calls) == config.num_hidden_layers
-    valid = batch["attention_mask"].bool()
     torch.testing.assert_close(fast[valid], eager[valid], atol=0, rtol=0)
 
 

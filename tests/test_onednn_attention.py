@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import transformers
 
 import modeling_roformer_rope as rr
-from conftest import builtin_model, padded_batch, tiny_config
+from conftest import builtin_model, decoder_or_unilm_outputs, padded_batch, tiny_config
 from modeling_roformer_rope import attention_roformer_rope as attention
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import onednn_attention_roformer_rope as oa
@@ -325,23 +325,9 @@ def test_model_keeps_sdpa_for_short_inputs_and_training(counted):
 @pytest.mark.parametrize("unilm, padded", [(False, True), (False, False), (True, True)])
 def test_decoder_and_unilm_long_prefill_equal_eager(counted, unilm, padded):
     """Decoder: a 4-D mask when padded, SDPA's `is_causal` route (no mask) when not; UniLM: its mask."""
-    overrides = dict(unilm_mask=True) if unilm else dict(is_decoder=True)
-    config = tiny_config(**overrides)
-    cls = rr.RoFormerRopeModel if unilm else rr.RoFormerRopeForCausalLM
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    batch = padded_batch(seq_len=560)
-    if not unilm:
-        batch.pop("token_type_ids")
-    if not padded:
-        batch["attention_mask"].fill_(1)
-    with torch.no_grad():
-        fast = model(**batch)[0]
-        model.config._attn_implementation = "eager"
-        eager = model(**batch)[0]
+    fast, eager, valid, config = decoder_or_unilm_outputs(unilm, padded, seq_len=560)
     assert len(counted) == config.num_hidden_layers
     assert all(mask_is_none == (not padded and not unilm) for _, mask_is_none in counted)
-    valid = batch["attention_mask"].bool()
     torch.testing.assert_close(fast[valid], eager[valid], atol=1e-5, rtol=1e-5)
 
 
