@@ -43,6 +43,8 @@ Experiments
   GEMM rate the floor assumes).
 - gemm_rate: `F.linear` fp32 (MKL sgemm) vs oneDNN with a pre-packed weight (fp32), and bf16 `F.linear` vs
   bf16 oneDNN, at the encoder's four GEMM shapes (2048 rows).
+- gemm_drift: one float32 GEMM timed every ~0.2 s for 40 s: how far the machine's own speed wanders between
+  moments (slowest to fastest), the reason no ratio is taken across two runs.
 - packed_gemm: float32 GEMM rate vs row count at the encoder's four shapes: `F.linear`, oneDNN, oneDNN with a
   pre-packed weight, and MKL's packed GEMM (`torch.ops.mkl._mkl_linear`, what the model packs at inference on
   short inputs: `modeling_roformer_rope/prepack_roformer_rope.py`).
@@ -95,6 +97,28 @@ def gemm_rate(reps: int, tokens: int = 2048) -> None:
             + (f"{rate['bf16_onednn']:.0f}" if "bf16_onednn" in rate else "n/a (no bf16 instructions)"),
             flush=True,
         )
+
+
+def gemm_drift(seconds: float = 40.0, tokens: int = 2048) -> None:
+    """The same float32 GEMM (tokens × 768 → 3072, weights in cache), timed every ~0.2 s for `seconds`: how far one
+    machine's speed wanders on its own. On a VM whose neighbours share the cores' memory and caches it wanders far,
+    which is why every ratio README quotes comes from interleaved runs in one process, never from two runs."""
+    x, w = torch.randn(tokens, 768), torch.randn(3072, 768)  # (tokens, 768), (3072, 768)
+    flops = 2.0 * tokens * 768 * 3072
+    rates, end = [], time.time() + seconds
+    with torch.no_grad():
+        F.linear(x, w)  # warm-up
+        while time.time() < end:
+            start = time.perf_counter()
+            for _ in range(10):
+                F.linear(x, w)
+            rates.append(10 * flops / (time.perf_counter() - start) / 1e9)
+            time.sleep(0.2)
+    rates.sort()
+    print(f"GEMM {tokens}×768→3072 fp32, {len(rates)} samples over {seconds:.0f} s, GFLOP/s: slowest {rates[0]:.0f}, "
+          f"10th percentile {rates[len(rates) // 10]:.0f}, median {rates[len(rates) // 2]:.0f}, "
+          f"90th percentile {rates[9 * len(rates) // 10]:.0f}, fastest {rates[-1]:.0f} "
+          f"(fastest / slowest {rates[-1] / rates[0]:.2f}×)")  # fmt: skip
 
 
 def _float32_routes(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor) -> dict:
@@ -1090,6 +1114,7 @@ def main() -> None:
         "packing": lambda: packing_experiment(L, R, shapes, dtype),
         "packed_gemm": lambda: packed_gemm(R),
         "gemm_rate": lambda: gemm_rate(R),
+        "gemm_drift": lambda: gemm_drift(),
         "attention_rate": lambda: attention_rate(R, shapes),
         "attention_proxy": lambda: attention_proxy(R, shapes),
         "attention_bf16": lambda: attention_bf16(R, shapes),
