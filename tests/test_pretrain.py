@@ -1,7 +1,8 @@
 """`roformer-rope pretrain` end to end on a tiny model: stages, export, kill-and-resume, bad input, atomic saves.
 
-Runs go through the real command in subprocesses (DeepSpeed ZeRO on CPU, gloo). The ZeRO 1/2/3 × 1/2-process
-matrix is in the slow suite.
+Runs go through the real command in subprocesses (DeepSpeed ZeRO on CPU, gloo). Commands refused before training
+starts run `main` in this process (`refused_here`): a fresh interpreter per refusal spent ~8 s importing. The ZeRO
+1/2/3 × 1/2-process matrix is in the slow suite.
 """
 
 import json
@@ -37,6 +38,26 @@ def pretrain(*args: str, env: dict | None = None, timeout: int = 600) -> subproc
         timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", **(env or {})},
     )
+
+
+@pytest.fixture
+def refused_here(capsys, monkeypatch):
+    """`pretrain(*args)` for a command refused before DeepSpeed starts, run as `main(args)` in this process: the same
+    exit code and stderr, without the ~8 s a fresh interpreter spends importing torch, transformers and DeepSpeed.
+    A refusal that came only after the engine started
+    would leave torch.distributed initialised here for the tests that follow: that fails, so move it to `pretrain`."""
+    from roformer_rope.scripts.pretrain import main
+
+    monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))  # main sets it: restored after
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # drop what came before
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        assert not torch.distributed.is_initialized(), "this command started DeepSpeed: run it with pretrain()"
+        return subprocess.CompletedProcess(["roformer-rope pretrain", *args], code, out, err)
+
+    return run
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -105,11 +126,11 @@ def test_export_loads_with_trust_remote_code_in_a_fresh_process(finished, tmp_pa
     assert out["diff"] < 1e-4 and out["sparse"] is False
 
 
-def test_export_on_demand_refuses_to_overwrite(finished, tmp_path):
+def test_export_on_demand_refuses_to_overwrite(finished, tmp_path, refused_here):
     out = tmp_path / "exported"
     assert pretrain("--export", str(finished), "--out", str(out)).returncode == 0
     assert (out / "model.safetensors").is_file()
-    again = pretrain("--export", str(finished / "checkpoints"), "--out", str(out))
+    again = refused_here("--export", str(finished / "checkpoints"), "--out", str(out))
     assert again.returncode == 2 and "already exists (pass --overwrite" in again.stderr
 
 
@@ -155,7 +176,7 @@ def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config
         ("lamb", [], "ds.json: DeepSpeed could not start the engine: "),  # DeepSpeed's Lamb needs a GPU kernel
     ],
 )
-def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message):
+def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message, refused_here):
     cfg = config
     if make == "bad_yaml":
         cfg = tmp_path / "bad.yaml"
@@ -174,7 +195,9 @@ def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message):
         corpus = tmp_path / "empty.txt"
         corpus.write_text("\n\n   \n")
         args = ["--corpus", str(corpus)]
-    result = pretrain("--config", str(cfg), "--out", str(tmp_path / "run"), *LINES, *args)
+    # the real command for one case, and for Lamb, which DeepSpeed refuses only while starting its engine
+    command = pretrain if make in (None, "lamb") else refused_here
+    result = command("--config", str(cfg), "--out", str(tmp_path / "run"), *LINES, *args)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("roformer-rope pretrain: error:") and message in last, last
@@ -208,7 +231,7 @@ def _blocked(module: str) -> list[str]:
     ],
 )
 # fmt: on
-def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, change, args, message):
+def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, monkeypatch, refused_here, change, args, message):
     """Bad input that needs no data ends before --out exists, so the corrected command can simply be rerun."""
     text = TINY.replace("intermediate_size: 64}", "intermediate_size: 64, max_position_embeddings: 64}")
     if change:
@@ -224,38 +247,39 @@ def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, chan
               "fixed": {"zero_optimization": zero, "train_batch_size": 8}}[args[1]]  # fmt: skip
         (tmp_path / "ds.json").write_text(json.dumps(ds))
         args = ["--deepspeed", str(tmp_path / "ds.json")]
-    command = ["-m", "roformer_rope.scripts.pretrain"]
-    if "BLOCK" in args:
-        command, args = _blocked("tensorboard"), ["--tensorboard"]
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    result = subprocess.run(
-        [sys.executable, *command, "--config", str(cfg), "--out", str(run), *LINES, *args],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # relative paths (--vocab) are read from here
+    if "BLOCK" in args:  # the real command, in an interpreter where tensorboard cannot be imported
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        result = subprocess.run(
+            [sys.executable, *_blocked("tensorboard"), "--config", str(cfg), "--out", str(run), *LINES, "--tensorboard"],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        )  # fmt: skip
+    else:
+        result = refused_here("--config", str(cfg), "--out", str(run), *LINES, *args)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("roformer-rope pretrain: error:") and message in last, last
     assert not run.exists()
 
 
-def test_an_empty_corpus_file_is_named(tmp_path, config):
+def test_an_empty_corpus_file_is_named(tmp_path, config, refused_here):
     corpus = tmp_path / "empty.txt"
     corpus.write_bytes(b"")
-    result = pretrain("--config", str(config), "--out", str(tmp_path / "run"), "--corpus", str(corpus))
+    result = refused_here("--config", str(config), "--out", str(tmp_path / "run"), "--corpus", str(corpus))
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last == f"roformer-rope pretrain: error: --corpus: the corpus {corpus} is empty (0 bytes)", last
 
 
-def test_a_refused_resume_leaves_the_run_untouched(finished, config, tmp_path):
+def test_a_refused_resume_leaves_the_run_untouched(finished, config, tmp_path, refused_here):
     """Resuming with another corpus is refused before the run's token streams are replaced."""
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(finished, run)
     before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
-    result = pretrain("--config", str(config), "--out", str(run), "--resume", "--corpus-lines", "650")
+    result = refused_here("--config", str(config), "--out", str(run), "--resume", "--corpus-lines", "650")
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert "--resume: checkpoint stage3-step0 was made from other data" in last, last
@@ -305,14 +329,14 @@ def test_a_given_vocab_with_a_repeated_token_sizes_the_model_by_its_largest_id(f
     assert spec["config"]["vocab_size"] == len(lines) + 1
 
 
-def test_resume_refuses_another_zero_stage_or_precision(finished, config, tmp_path):
+def test_resume_refuses_another_zero_stage_or_precision(finished, config, tmp_path, refused_here):
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(finished, run)
     for args, message in ((["--deepspeed", "zero3"], "was written with ZeRO stage 2, this run has 3; resume with the same --deepspeed"),
                           (["--precision", "bf16"], "was written with precision fp32, this run has bf16")):  # fmt: skip
-        result = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES, *args)
+        result = refused_here("--config", str(config), "--out", str(run), "--resume", *LINES, *args)
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
 
 
@@ -365,7 +389,7 @@ def test_zero3_stand_ins_are_grouped_by_their_real_shape():
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
 
 
-def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path):
+def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path, refused_here):
     """What a run interrupted (or failed on its data) before its first checkpoint left is not a run to resume:
     the same command starts it over instead of refusing a non-empty --out."""
     run = tmp_path / "run"
@@ -374,7 +398,7 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path)
     (run / "tokenizer" / "vocab.txt").write_text("[PAD]\n")  # a stale tokenizer: rebuilt
     (run / "checkpoints" / ".partial-stage1-step4").mkdir(parents=True)
     (run / "train_log.jsonl").write_text('{"global_step": 1, "loss": 99.0}\n{"global_step": 2, "lo')
-    resumed = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES)
+    resumed = refused_here("--config", str(config), "--out", str(run), "--resume", *LINES)
     assert resumed.returncode == 2 and "holds no complete checkpoint to resume from" in resumed.stderr
     assert "without --resume to start it over" in resumed.stderr
     result = pretrain("--config", str(config), "--out", str(run), *LINES, "--max-steps", "1", "--no-export")
@@ -385,26 +409,26 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(config, tmp_path)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "tokenizer").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("not a run")  # anything else: refused as before
-    refused = pretrain("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
+    refused = refused_here("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
     assert refused.returncode == 2 and "exists and is not empty" in refused.stderr
     # a user's folder shaped like a run (no marker) and a run whose checkpoint finished without its
     # `latest` pointer (killed in between) are never cleared
     (tmp_path / "mine" / "notes.txt").unlink()
     (tmp_path / "mine" / "tokenizer" / "vocab.txt").write_text("[PAD]\n")
-    refused = pretrain("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
+    refused = refused_here("--config", str(config), "--out", str(tmp_path / "mine"), *LINES)
     assert refused.returncode == 2 and (tmp_path / "mine" / "tokenizer" / "vocab.txt").exists()
     killed = tmp_path / "killed"
     (killed / "checkpoints" / "stage1-step4").mkdir(parents=True)
     (killed / ".roformer_rope_run").write_text("")
     (killed / "checkpoints" / "stage1-step4" / "run_state.json").write_text("{}")
-    refused = pretrain("--config", str(config), "--out", str(killed), *LINES)
+    refused = refused_here("--config", str(config), "--out", str(killed), *LINES)
     assert refused.returncode == 2 and (killed / "checkpoints" / "stage1-step4" / "run_state.json").exists()
-    inside = pretrain("--config", str(config), "--out", str(run), "--vocab", str(run / "tokenizer" / "vocab.txt"), *LINES)
+    inside = refused_here("--config", str(config), "--out", str(run), "--vocab", str(run / "tokenizer" / "vocab.txt"), *LINES)
     assert inside.returncode == 2 and "lies inside --out" in inside.stderr
 
 
-def test_an_existing_run_is_never_restarted_over(finished, config):
-    result = pretrain("--config", str(config), "--out", str(finished), *LINES)
+def test_an_existing_run_is_never_restarted_over(finished, config, refused_here):
+    result = refused_here("--config", str(config), "--out", str(finished), *LINES)
     assert result.returncode == 2 and "already holds a run; pass --resume" in result.stderr
     assert (finished / "checkpoints" / "stage3-step0").is_dir()
 
