@@ -44,8 +44,8 @@ def pretrain(*args: str, env: dict | None = None, timeout: int = 600) -> subproc
 def refused_here(capsys, monkeypatch):
     """`pretrain(*args)` for a command refused before DeepSpeed starts, run as `main(args)` in this process: the same
     exit code and stderr, without the ~8 s a fresh interpreter spends importing torch, transformers and DeepSpeed.
-    A refusal that came only after the engine started
-    would leave torch.distributed initialised here for the tests that follow: that fails, so move it to `pretrain`."""
+    A refusal that came only after the engine started would leave torch.distributed initialised here for the tests
+    that follow: that fails, so move such a command to `pretrain`."""
     from roformer_rope.scripts.pretrain import main
 
     monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))  # main sets it: restored after
