@@ -19,6 +19,8 @@ Experiments
   PV GEMM's "weight" as a contiguous vᵀ, as the transposed view of compact v, and with gaps (a strided view).
 - zero_rows: finding the rows of an MLM decoder's upstream gradient that are all zero (the dense head's backward
   skips them), `ne(0).any` vs one `any` reduction, bf16 and float32, at B·T rows × 50000 words, 15% of rows labelled.
+- mlm_zero_rows: a dense-head MLM training step, ours as built (the head's and the last layer's linears after its
+  attention skip the ignored positions' zero gradient rows) vs with only the decoder skipping them, vs the built-in.
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here.
 - small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
@@ -710,6 +712,47 @@ def zero_rows(reps: int, shapes) -> None:
             del go, paths
 
 
+def mlm_zero_rows(layers: int, reps: int, shapes) -> None:
+    """A dense-head MLM training step (forward + backward, fp32, 15% of positions labelled, no optimizer): ours as
+    built (every linear between the last attention and the loss skips the ignored rows' zero gradient rows), ours
+    with only the vocabulary decoder skipping them (as before), and the built-in, interleaved, same weights."""
+    from bench_train import mlm_labels
+
+    from modeling_roformer_rope.modeling_roformer_rope import _before_the_loss_row_wise
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers")
+    print("| B×T | built-in ms | ours, decoder only ms | ours ms | decoder only / ours | built-in / ours | |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        builtin, ours = make_pair(layers, 8192, head="mlm")
+        decoder_only = copy.deepcopy(ours)
+        for linear in _before_the_loss_row_wise(decoder_only):
+            linear.zero_grad_rows = linear is decoder_only.lm_head.decoder
+        inputs = random_batch(batch, length)
+        inputs["labels"] = mlm_labels(inputs["input_ids"])
+        models = {"builtin": builtin, "decoder_only": decoder_only, "ours": ours}
+
+        def step(model, inputs=inputs):
+            model.zero_grad(set_to_none=True)
+            model(**inputs).loss.backward()
+
+        for model in models.values():
+            model.train()
+        grads = []
+        for model in (ours, decoder_only):  # the skip is exact: the same gradients (nothing is timed otherwise)
+            step(model)
+            grads.append([p.grad for p in model.parameters()])
+        worst = max((a - b).abs().max().item() for a, b in zip(*grads))
+        if not worst <= 1e-4:
+            raise AssertionError(f"gradients differ by {worst:.3g}: refusing to time")
+        del grads
+        t = interleaved({name: partial(step, m) for name, m in models.items()}, reps=reps, warmup=1)
+        print(f"| {batch}×{length} | {t.ms('builtin'):.0f} | {t.ms('decoder_only'):.0f} | {t.ms('ours'):.0f} | "
+              f"{t.ratio('decoder_only', 'ours'):.3f}× | {t.ratio('builtin', 'ours'):.2f}× | (gradients max abs diff "
+              f"{worst:.1e})", flush=True)  # fmt: skip
+        del builtin, ours, decoder_only, models
+
+
 # Narrow models on short inputs, where a forward is a few hundred small kernels and the Python around them weighs:
 # (hidden size, heads, layers, batch, length).
 SMALL_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), (128, 4, 4, 1, 128), (256, 4, 4, 8, 128))
@@ -1123,6 +1166,7 @@ def main() -> None:
         "op_chain": lambda: op_chain(L, R, shapes),
         "attention_operands": lambda: attention_operands(R, shapes),
         "zero_rows": lambda: zero_rows(R, shapes),
+        "mlm_zero_rows": lambda: mlm_zero_rows(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
         "small_models": lambda: small_models(R),
         "emulated_gemm": lambda: emulated_gemm(R),

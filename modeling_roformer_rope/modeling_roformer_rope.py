@@ -406,6 +406,20 @@ class RoFormerRopeLMHead(nn.Module):
 _LM_TIED_WEIGHTS = {"lm_head.decoder.weight": "roformer.embeddings.word_embeddings.weight"}
 
 
+def _before_the_loss_row_wise(model: nn.Module) -> list[nn.Module]:
+    """The linears between the last attention and an MLM loss: the head's, and the last layer's output projection and
+    MLP. Each row of theirs reaches only its own position's logits (norms, GELU, dropout and residual adds work per
+    row), so a position the loss ignores gives them an all-zero gradient row, which `linear`'s `zero_grad_rows`
+    skips in their backward GEMMs (exact: the rows are found in the gradient itself). The attention mixes rows, so
+    the layers below get gradients on every row. 12 layers at 4×512, 15% labelled: ~41 of the step's ~1390 GFLOP."""
+    head = model.lm_head
+    last = model.roformer.layers[-1] if len(model.roformer.layers) else None
+    candidates = [head.decoder, getattr(head, "dense", None)]
+    if last is not None:
+        candidates += [getattr(last.attention, "o_proj", None), last.mlp.up_proj, last.mlp.down_proj]
+    return [m for m in candidates if isinstance(m, RoFormerRopeLinear)]
+
+
 @auto_docstring
 class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
     _tied_weights_keys = _LM_TIED_WEIGHTS
@@ -418,8 +432,9 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
             logger.warning("RoFormerRopeForMaskedLM expects config.is_decoder=False for bidirectional attention.")
         self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
         self.lm_head = RoFormerRopeLMHead(config)
-        # The MLM loss ignores ~85% of positions: the decoder's backward skips their (zero) gradient rows.
-        self.lm_head.decoder.zero_grad_rows = True
+        # The MLM loss ignores ~85% of positions: the backward GEMMs skip their (zero) gradient rows.
+        for linear in _before_the_loss_row_wise(self):
+            linear.zero_grad_rows = True
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:

@@ -126,14 +126,19 @@ def test_zero_rows_are_found_with_nan_inf_and_negative_zero(monkeypatch, dtype):
 
 
 @needs_onednn
-def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
-    """The MaskedLM decoder skips the ignored positions' zero gradient rows: same gradients as the built-in."""
+def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions(monkeypatch):
+    """The MaskedLM's linears between the last attention and the loss (decoder, transform, the last layer's o_proj
+    and MLP) skip the ignored positions' zero gradient rows: every parameter's gradient equals the built-in's."""
     from conftest import builtin_model, padded_batch
-    from roformer_rope.conversion.from_transformers import convert_model
+    from roformer_rope.conversion.from_transformers import convert_model, convert_state_dict
 
     builtin = builtin_model("RoFormerForMaskedLM").train()
     ours = convert_model(builtin).train()
-    assert ours.lm_head.decoder.zero_grad_rows and not ours.config.sparse_prediction
+    last = ours.roformer.layers[-1]
+    flagged = [ours.lm_head.decoder, ours.lm_head.dense, last.attention.o_proj, last.mlp.up_proj, last.mlp.down_proj]
+    assert all(m.zero_grad_rows for m in flagged) and not ours.config.sparse_prediction
+    assert not any(m.zero_grad_rows for m in (last.attention.qkv, ours.roformer.layers[0].mlp.up_proj))
+    taken = spy(monkeypatch, lin, "_backward_on_nonzero_rows")
     batch = padded_batch(seq_len=40)
     labels = torch.full_like(batch["input_ids"], -100)
     labels[:, ::7] = batch["input_ids"][:, ::7]  # ~15% of positions carry a target
@@ -141,12 +146,13 @@ def test_dense_mlm_head_gradients_equal_the_builtin_with_ignored_positions():
     ours(**batch, labels=labels).loss.backward()
     torch.manual_seed(1)
     builtin(**batch, labels=labels).loss.backward()
-    ours_embed = ours.get_input_embeddings().weight.grad  # tied: decoder + embedding gradients
-    theirs_embed = builtin.get_input_embeddings().weight.grad
-    torch.testing.assert_close(ours_embed, theirs_embed, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(ours.lm_head.decoder.bias.grad, builtin.cls.predictions.decoder.bias.grad
-                               if builtin.cls.predictions.decoder.bias is not None else builtin.cls.predictions.bias.grad,
-                               atol=1e-6, rtol=1e-5)  # fmt: skip
+    assert len(taken) == len(flagged) and all(t is not None for t in taken)  # each ran on the labelled rows only
+    params = builtin.named_parameters(remove_duplicate=False)  # tied decoder and embedding share one gradient
+    want = convert_state_dict({name: p.grad for name, p in params if p.grad is not None})
+    got = {name: p.grad for name, p in ours.named_parameters(remove_duplicate=False) if p.grad is not None}
+    assert want.keys() == got.keys() and len(got) > 20
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("num_items", [None, 7])
