@@ -10,6 +10,8 @@ Experiments
   eager arithmetic, our float32-attended kernel, and bf16-GEMM variants with float32 softmax statistics.
 - attention_kernel_parts: our attention kernel per layer vs the sum of its parts timed alone at its block shapes
   (float32 QKᵀ GEMMs, exp2 and sums, PV GEMMs in float32 or bf16).
+- attention_exp: our float32 attention kernel per layer with exp2 (on base-2 scores) and with exp forced, and the
+  exponential it measures faster on this CPU (`exponent_here`).
 - attention_parts: bf16 SDPA vs a lower bound for any attention built from torch's kernels: its two bf16 GEMMs
   in query blocks plus one float32 exp per score, each timed in cache (the bf16 1×4096 floor arithmetic).
 - op_chain: our bf16 forward vs the same kernels chained with no model code (and with the MLP in 512-row
@@ -483,6 +485,31 @@ def _kernel_parts_at(batch: int, length: int, reps: int, bf16_pv: bool) -> None:
         f"{t.ms('kernel') / total:.2f}× |",
         flush=True,
     )
+
+
+def attention_exp(reps: int, shapes) -> None:
+    """Our attention kernel (one layer, 12 heads of 64, fused-projection views, float32) with each elementwise
+    exponential forced (`exponent_here`: exp2 on base-2 scores, or exp), interleaved; and what the kernel measures."""
+    from modeling_roformer_rope.onednn_attention_roformer_rope import exponent_here, onednn_attention
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, measured choice: {exponent_here()}")
+    print("| B×T | exp2 ms | exp ms | exp2 / exp | max abs diff |\n|---|---|---|---|---|")
+    for batch, length in shapes:
+        qkv = torch.randn(batch, length, 3, 12, 64)  # (B, T, 3, H, D): the fused projection
+        views = [t.transpose(1, 2) for t in qkv.unbind(2)]  # (B, H, T, D) each
+
+        def run(exponent, views=views):
+            calibration.force("attention_exp", exponent)
+            try:
+                return onednn_attention(*views)
+            finally:
+                calibration.force("attention_exp", None)
+
+        with torch.no_grad():
+            diff = (run("exp2") - run("exp")).abs().max().item()
+            t = interleaved({name: partial(run, name) for name in ("exp2", "exp")}, reps=reps, warmup=1)
+        print(f"| {batch}×{length} | {t.ms('exp2'):.1f} | {t.ms('exp'):.1f} | {t.ratio('exp2', 'exp'):.3f}× | "
+              f"{diff:.1e} |", flush=True)  # fmt: skip
 
 
 def attention_parts(reps: int, shapes, block: int = 512) -> None:
@@ -1163,6 +1190,7 @@ def main() -> None:
         "attention_bf16": lambda: attention_bf16(R, shapes),
         "attention_kernel_parts": lambda: attention_kernel_parts(R, shapes),
         "attention_parts": lambda: attention_parts(R, shapes),
+        "attention_exp": lambda: attention_exp(R, shapes),
         "op_chain": lambda: op_chain(L, R, shapes),
         "attention_operands": lambda: attention_operands(R, shapes),
         "zero_rows": lambda: zero_rows(R, shapes),

@@ -30,7 +30,7 @@ _forced: dict[str, str | None] = {}
 _checked: set[tuple] = set()  # (key, forced path) pairs known to name a candidate
 KINDS = (
     "linear", "linear_backward", "linear_gelu", "linear_packed", "linear_emulated", "attention", "attention_dropout",
-    "sdpa_layout",
+    "attention_exp", "sdpa_layout",
 )  # fmt: skip
 # ("attention_dropout" is a rule, never timed: `attention_roformer_rope.dropout_attention_path`; it is here to be forced.)
 

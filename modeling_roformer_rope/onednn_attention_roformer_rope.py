@@ -3,15 +3,16 @@
 Why: at long sequence lengths attention dominates a RoFormer forward (half of it at 4096 tokens), and
 PyTorch's CPU flash kernel runs its block GEMMs on the same BLAS sgemm that makes `F.linear` slow on the
 CPUs we measured (see `onednn_roformer_rope.py`). Here each head's scores for a block of queries are one
-oneDNN GEMM, the softmax numerators are one in-place exp2, and the weighted sum of values is a second
+oneDNN GEMM, the softmax numerators are one in-place exponential, and the weighted sum of values is a second
 oneDNN GEMM; the normalisation is applied to the (block, D) output instead of the (block, S) weights:
 
     Σᵢ softmax(s)ᵢ vᵢ = (Σᵢ 2^(s'ᵢ − m') vᵢ) / Σᵢ 2^(s'ᵢ − m'),   s' = s·log₂e,  m' = maxᵢ s'ᵢ
 
 This is the softmax exactly: eˣ = 2^(x·log₂e), and subtracting the row maximum changes nothing but the
-floating-point range (query blocks whose weights fit the range without it skip it, see `_well_scaled`). Base 2
-because `exp2` runs 3–4× faster than `exp` in PyTorch's CPU kernels at the same ~1 ulp accuracy, and
-log₂e folds into the query scaling for free.
+floating-point range (query blocks whose weights fit the range without it skip it, see `_well_scaled`). The base is
+whichever of PyTorch's `exp2` and `exp` (both ~1 ulp) runs faster on this CPU, measured once (`exponent_here`): exp2
+was 3–4× faster on the AVX-512 EPYC the kernel was written on, exp 1.3× faster on a Cascade Lake and 1.9× under
+an AVX2 limit (`python bench/attention_onednn.py`). Base 2 costs nothing extra: log₂e folds into the query scaling.
 
 `bench/attention_onednn.py` times it against SDPA (1.7–2.0× faster at 1×4096 on a 2-core AVX-512 EPYC).
 
@@ -52,6 +53,20 @@ SCORES_PER_BLOCK = 1 << 21
 GROUP_FLOATS = 1 << 19
 MAX_BLOCK = 1024
 LOG2E = 1.4426950408889634
+# Score blocks the exponent decision is timed on: 2¹⁸ float32 scores (1 MiB), as one thread's part of a block.
+EXPONENT_PROXY = (256, 1024)
+
+
+def exponent_here() -> str:
+    """"exp2" or "exp": the faster elementwise exponential on this CPU, measured once per process on a score-sized block
+    (in base-2 units the scaling carries log₂e). Forced with `ROFORMER_ROPE_FORCE=attention_exp=exp` and the like."""
+
+    def candidates():
+        scores = torch.linspace(-30.0, 0.0, EXPONENT_PROXY[0] * EXPONENT_PROXY[1]).view(EXPONENT_PROXY)  # (Q, S)
+        out = torch.empty_like(scores)
+        return {"exp2": lambda: torch.exp2(scores, out=out), "exp": lambda: torch.exp(scores, out=out)}
+
+    return choose(("attention_exp", "float32"), candidates)
 
 
 def onednn_attention_path(
@@ -233,7 +248,7 @@ def sdpa_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
 def _masked_scores(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal_start: int | None
 ) -> torch.Tensor:
-    """q (Q, D) · kᵀ (D, keys) on oneDNN, masked → (Q, keys) scores in base-2 units (q carries log₂e)."""
+    """q (Q, D) · kᵀ (D, keys) on oneDNN, masked → (Q, keys) scores in the exponent's units (for exp2 q carries log₂e)."""
     scores = _LINEAR_POINTWISE(q, k, None, "none", [], "")  # (Q, keys)
     if causal_start is not None:
         rows = torch.arange(causal_start, causal_start + q.shape[0], device=q.device).unsqueeze(1)  # (Q, 1)
@@ -242,7 +257,7 @@ def _masked_scores(
         if mask.dtype == torch.bool:
             scores.masked_fill_(mask.logical_not(), float("-inf"))
         else:
-            scores.add_(mask)  # already in base-2 units (see onednn_attention)
+            scores.add_(mask)  # already in the exponent's units (see onednn_attention)
     return scores
 
 
@@ -293,6 +308,9 @@ def onednn_attention(
             f"(got {query.dtype} and {value.dtype})"
         )
     scaling = D**-0.5 if scaling is None else scaling
+    # exp2 takes the scores in base-2 units (log₂e folded into the queries' scaling and the mask), exp as they are.
+    base_two = exponent_here() == "exp2"
+    unit = LOG2E if base_two else 1.0
     Dv = value.shape[-1]
     mm = _LINEAR_POINTWISE
     block = block or _block_rows(S)
@@ -305,12 +323,12 @@ def onednn_attention(
         attention_mask, kept = None, padding.sum(dim=-1).tolist()  # keys per batch row (one host read)
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
-            # Into base-2 units once. Finite values stay finite (finfo.min·log₂e would overflow to −inf):
+            # Into the exponent's units (base 2: times log₂e) once. Finite values stay finite (finfo.min·log₂e would overflow to −inf):
             # a row masked with finfo.min then averages its values, as SDPA does; −inf rows give zeros.
             low = torch.finfo(torch.float32).min
             attention_mask = attention_mask.float()
             attention_mask = torch.where(
-                attention_mask.isinf(), attention_mask, (attention_mask * LOG2E).clamp_min(low)
+                attention_mask.isinf(), attention_mask, (attention_mask * unit).clamp_min(low)
             )
         attention_mask = attention_mask.expand(B, H, T, S)  # a view: no copy of broadcast dimensions
     # In the input's dtype: written by each block's division (computed in float32, rounded once on the store), or
@@ -318,9 +336,9 @@ def onednn_attention(
     out = torch.empty(B, T, H, Dv, dtype=query.dtype, device=query.device)
     if T == 0:
         return out
-    # Scores come out in base-2 units. A one-element float32 tensor (not a Python number) makes q · scale one
+    # Scores come out in the exponent's units. A one-element float32 tensor (not a Python number) makes q · scale one
     # float32 op for bf16/fp16 queries too: type promotion reads them as float32 (a number would keep their dtype).
-    q_scale = torch.tensor([scaling * LOG2E], dtype=torch.float32, device=query.device)
+    q_scale = torch.tensor([scaling * unit], dtype=torch.float32, device=query.device)
     # the bf16 weights of every block go to one buffer (fewer fresh pages for the kernel to fault in)
     low_weights = torch.empty(min(block, T) * S, dtype=torch.bfloat16) if bf16_pv else None  # (Q·S,)
     # Operands are prepared for a group of heads at once (one conversion or scaling each instead of
@@ -351,13 +369,15 @@ def onednn_attention(
             # Without subtracting the row maxima (two passes fewer over the scores): the factor 2^(−m') cancels
             # between numerator and denominator, so this IS the softmax whenever no weight overflows and each
             # row's largest weight stays far from underflow; the group's check afterwards redoes the block if not.
-            weights = _masked_scores(q_blk, k_h, mask, causal_start).exp2_()  # (Q, keys)
+            scores = _masked_scores(q_blk, k_h, mask, causal_start)  # (Q, keys)
+            weights = scores.exp2_() if base_two else scores.exp_()
             torch.sum(weights, dim=-1, keepdim=True, out=denom)
         else:  # extreme scores or values, or a fully masked row
             scores = _masked_scores(q_blk, k_h, mask, causal_start)
             row_max = scores.amax(dim=-1, keepdim=True)  # (Q, 1)
             row_max.masked_fill_(row_max == float("-inf"), 0.0)  # fully masked row: weights → 0
-            weights = scores.sub_(row_max).exp2_()  # largest weight of a row is 1
+            scores.sub_(row_max)
+            weights = scores.exp2_() if base_two else scores.exp_()  # largest weight of a row is 1
             torch.sum(weights, dim=-1, keepdim=True, out=denom).clamp_min_(tiny)  # ≥ 1 unless fully masked
         if bf16_pv:
             low = low_weights[: (stop - start) * keys].view(stop - start, keys)  # (Q, keys) bf16, dense
