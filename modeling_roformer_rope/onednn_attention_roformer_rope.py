@@ -11,8 +11,8 @@ oneDNN GEMM; the normalisation is applied to the (block, D) output instead of th
 This is the softmax exactly: eˣ = 2^(x·log₂e), and subtracting the row maximum changes nothing but the
 floating-point range (query blocks whose weights fit the range without it skip it, see `_well_scaled`). The base is
 whichever of PyTorch's `exp2` and `exp` (both ~1 ulp) runs faster on this CPU, measured once (`exponent_here`): exp2
-was 3–4× faster on the AVX-512 EPYC the kernel was written on, exp 1.3× faster on a Cascade Lake and 1.9× under
-an AVX2 limit (`python bench/attention_onednn.py`). Base 2 costs nothing extra: log₂e folds into the query scaling.
+was 3–4× faster on the AVX-512 EPYC the kernel was written on, exp 1.3–1.4× faster on a Cascade Lake and 1.6–1.9×
+under an AVX2 limit (`python bench/attention_onednn.py`). Base 2 costs nothing extra: log₂e folds into the scaling.
 
 `bench/attention_onednn.py` times it against SDPA (1.7–2.0× faster at 1×4096 on a 2-core AVX-512 EPYC).
 
@@ -323,8 +323,8 @@ def onednn_attention(
         attention_mask, kept = None, padding.sum(dim=-1).tolist()  # keys per batch row (one host read)
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
-            # Into the exponent's units (base 2: times log₂e) once. Finite values stay finite (finfo.min·log₂e would overflow to −inf):
-            # a row masked with finfo.min then averages its values, as SDPA does; −inf rows give zeros.
+            # Into the exponent's units (base 2: times log₂e) once. Finite values stay finite (finfo.min·log₂e would
+            # overflow to −inf): a row masked with finfo.min then averages its values, as SDPA does; −inf rows give zeros.
             low = torch.finfo(torch.float32).min
             attention_mask = attention_mask.float()
             attention_mask = torch.where(
