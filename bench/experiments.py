@@ -25,6 +25,9 @@ Experiments
   attention skip the ignored positions' zero gradient rows) vs with only the decoder skipping them, vs the built-in.
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here.
+- calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
+  rounds vs stopped once settled (`calibration_roformer_rope._settled`): milliseconds spent, and what the choices
+  cost against the best candidate as 12 rounds of every candidate time it.
 - small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
   built-in vs ours, and ours with each linear's inference plan decided on every call instead of remembered.
 - emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
@@ -639,6 +642,78 @@ def op_chain(layers: int, reps: int, shapes) -> None:
             print(f"  {name}: {t.ms(name):.1f} ms, {sorted(faults[name])[len(faults[name]) // 2]} page faults per call")
 
 
+def _first_forwards(model, shapes, rule: dict) -> tuple[float, dict]:
+    """Calibration seconds and choices of a first forward at each shape, from an empty calibration, with the
+    calibration constants in `rule`. Only the outermost timings count (a candidate may decide a nested class)."""
+    saved = {name: getattr(calibration, name) for name in rule}
+    timed = calibration._time_interleaved
+    spent, depth = [0.0], [0]
+
+    def counting(candidates, key):
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return timed(candidates, key)
+        finally:
+            depth[0] -= 1
+            if not depth[0]:
+                spent[0] += time.perf_counter() - start
+
+    calibration.reset()
+    for name, value in rule.items():
+        setattr(calibration, name, value)
+    calibration._time_interleaved = counting
+    try:
+        with torch.no_grad():
+            for batch, length in shapes:
+                model(**random_batch(batch, length))
+    finally:
+        calibration._time_interleaved = timed
+        for name, value in saved.items():
+            setattr(calibration, name, value)
+    return spent[0], {tuple(d["class"]): d["choice"] for d in calibration.decisions()}
+
+
+def calibration_cost(layers: int, reps: int, shapes, truth_rounds: int = 12) -> None:
+    """A first forward's calibration, every decision timed for all ROUNDS vs stopped once settled (`_settled`):
+    seconds spent, and what each choice costs against the best candidate when a long run times them."""
+    _, ours = make_pair(layers, max_positions=max(length for _, length in shapes))
+    rules = {"all rounds": {"TIE": 0.0}, "settled": {}}  # TIE 0: never settled
+    spent: dict[str, list[float]] = {name: [] for name in rules}
+    choices: dict[str, list[dict]] = {name: [] for name in rules}
+    for _ in range(reps):
+        for name, rule in rules.items():
+            seconds, chosen = _first_forwards(ours, shapes, rule)
+            spent[name].append(seconds)
+            choices[name].append(chosen)
+    # the truth: every candidate of every class timed for `truth_rounds` rounds, none dropped
+    captured: dict[tuple, dict] = {}
+    timed = calibration._time_interleaved
+    calibration._time_interleaved = lambda candidates, key: captured.setdefault(key, candidates) and timed(candidates, key)
+    try:
+        _first_forwards(ours, shapes, {"TIE": 0.0})
+    finally:
+        calibration._time_interleaved = timed
+    saved = calibration.ROUNDS, calibration.FAR, calibration.TIE
+    calibration.ROUNDS, calibration.FAR, calibration.TIE = truth_rounds, float("inf"), 0.0
+    try:
+        with torch.no_grad():
+            truth = {key: timed(candidates, key) for key, candidates in captured.items()}
+    finally:
+        calibration.ROUNDS, calibration.FAR, calibration.TIE = saved
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}; {layers} layers, first forwards at "
+          f"{', '.join(f'{b}x{t}' for b, t in shapes)} from an empty calibration, {reps} times each way; "
+          f"{len(truth)} classes, truth = best of {truth_rounds} rounds of every candidate")  # fmt: skip
+    print("| rule | calibration ms (median) | choices costing > 3% / all | mean / worst cost of a choice |")
+    print("|---|---|---|---|")
+    for name in rules:
+        costs = [truth[key][choice] / min(truth[key].values()) - 1
+                 for chosen in choices[name] for key, choice in chosen.items() if key in truth]  # fmt: skip
+        median = sorted(spent[name])[len(spent[name]) // 2]
+        print(f"| {name} | {1e3 * median:.0f} | {sum(c > 0.03 for c in costs)} / {len(costs)} | "
+              f"{100 * sum(costs) / max(len(costs), 1):.1f}% / {100 * max(costs, default=0):.1f}% |")  # fmt: skip
+
+
 def _decode_steps(model, prompt: dict, steps: int) -> list[float]:
     """Greedy decode `steps` tokens after `prompt` with the KV cache; wall time (s) of each step's forward alone."""
     times = []
@@ -1196,6 +1271,7 @@ def main() -> None:
         "zero_rows": lambda: zero_rows(R, shapes),
         "mlm_zero_rows": lambda: mlm_zero_rows(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
+        "calibration_cost": lambda: calibration_cost(L, R, shapes),
         "small_models": lambda: small_models(R),
         "emulated_gemm": lambda: emulated_gemm(R),
         "dropout": lambda: dropout_experiment(R, shapes),

@@ -94,14 +94,26 @@ def reset() -> None:
     _forget_derived()
 
 
-ROUNDS = 5  # timed rounds per decision, after one untimed warm-up call of each candidate
+ROUNDS = 5  # timed rounds per decision at most, after one untimed warm-up call of each candidate
 # A candidate FAR times slower than the leader after two timed rounds is not timed again: it cannot win, and some
 # lose by seconds (an emulated bf16 backward GEMM, 0.2-3 s a call where the float32 one takes 10-130 ms).
 FAR = 3.0
+# Timing stops after MIN_ROUNDS timed rounds once no candidate's best lies between TIE and CLEAR times the leader's:
+# each is then either clearly slower or so close that taking either costs ≤ 3%. The rounds after that rarely changed
+# a choice and were most of a first forward's calibration (`python bench/experiments.py --only calibration_cost`).
+MIN_ROUNDS = 2
+TIE = 1.03
+CLEAR = 1.10
+
+
+def _settled(best: dict[str, float]) -> bool:
+    """No candidate is within reach of the leader without being a tie (see CLEAR, TIE)."""
+    leader = min(best.values())
+    return all(seconds <= TIE * leader or seconds > CLEAR * leader for seconds in best.values())
 
 
 def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
-    """Best time (s) of each candidate over ROUNDS rounds that run every candidate once, in turn.
+    """Best time (s) of each candidate over MIN_ROUNDS to ROUNDS rounds that run every candidate once, in turn.
 
     Interleaving puts the candidates under the same conditions (a first forward also faults in fresh memory and
     wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
@@ -121,7 +133,9 @@ def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -
                 continue
             if round_:
                 best[name] = min(best[name], time.perf_counter() - start)
-        if round_ >= 2 and best:
+        if round_ >= MIN_ROUNDS and best:
+            if _settled(best):
+                break
             leader = min(best.values())
             beaten.update(name for name, seconds in best.items() if seconds > FAR * leader)
     return best

@@ -113,24 +113,48 @@ def test_the_emulated_choice_is_measured_on_a_slice_and_listed(emulate):
     assert emulate.upcast_rows[timed:] == ([300, 300] if made[0]["choice"] == "upcast" else [])
 
 
-def test_a_far_slower_candidate_is_timed_only_until_two_rounds_show_it(monkeypatch):
-    """`FAR`: after two timed rounds a candidate that far behind the leader is not run again; the others are timed
-    every round, and the report keeps the beaten one's best time."""
-    calls = {"fast": 0, "slow": 0, "close": 0}
+def _fake_candidates(monkeypatch, cost: dict[str, list[float]]):
+    """Candidates whose n-th call takes cost[name][n] seconds on a fake clock (the last cost repeats); and their
+    call counts."""
+    calls = dict.fromkeys(cost, 0)
     clock = [0.0]
-    cost = {"fast": 1.0, "slow": 10.0, "close": 1.5}
 
     def candidate(name):
         def run():
+            clock[0] += cost[name][min(calls[name], len(cost[name]) - 1)]
             calls[name] += 1
-            clock[0] += cost[name]
 
         return run
 
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
-    times = calibration._time_interleaved({name: candidate(name) for name in cost}, ("test",))
+    return {name: candidate(name) for name in cost}, calls
+
+
+def test_a_far_slower_candidate_is_timed_only_until_two_rounds_show_it(monkeypatch):
+    """`FAR`: after two timed rounds a candidate that far behind the leader is not run again; the others are timed
+    every round while one of them is within reach of the leader (`CLEAR`) without being a tie (`TIE`), and the
+    report keeps the beaten one's best time."""
+    candidates, calls = _fake_candidates(monkeypatch, {"fast": [1.0], "slow": [10.0], "close": [1.05]})
+    times = calibration._time_interleaved(candidates, ("test",))
     assert calls == {"fast": calibration.ROUNDS + 1, "slow": 3, "close": calibration.ROUNDS + 1}
-    assert times == {"fast": 1.0, "slow": 10.0, "close": 1.5}
+    assert times == pytest.approx({"fast": 1.0, "slow": 10.0, "close": 1.05})
+
+
+@pytest.mark.parametrize("other", [1.02, 1.2])
+def test_timing_stops_after_two_rounds_once_settled(monkeypatch, other):
+    """A clear winner (the other 20% behind) or a tie (2%) is settled after the warm-up and two timed rounds."""
+    candidates, calls = _fake_candidates(monkeypatch, {"a": [1.0], "b": [other]})
+    assert calibration._time_interleaved(candidates, ("test",)) == pytest.approx({"a": 1.0, "b": other})
+    assert calls == {"a": calibration.MIN_ROUNDS + 1, "b": calibration.MIN_ROUNDS + 1}
+
+
+def test_timing_goes_on_while_a_candidate_is_within_reach(monkeypatch):
+    """7% behind after two timed rounds is neither a tie nor clear: a third round runs, and stops once it shows
+    the other candidate 11% ahead."""
+    # each candidate's calls: the warm-up, then the timed rounds
+    candidates, calls = _fake_candidates(monkeypatch, {"a": [1.0], "b": [1.0, 1.07, 1.07, 0.9]})
+    times = calibration._time_interleaved(candidates, ("test",))
+    assert times == pytest.approx({"a": 1.0, "b": 0.9}) and calls == {"a": 4, "b": 4}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
