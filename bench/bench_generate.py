@@ -9,15 +9,18 @@ classes (`calibration_roformer_rope.row_bucket`), so the prompt's choice does no
 
 First forward: each side in its own fresh process (the other model is built but never run), the first three
 1×128 encoder forwards timed: the first includes the per-process calibration of every shape class it meets
-(and packing weights happens on the second), the third is the steady state.
+(and packing weights happens on the second), the third is the steady state; ours twice, with nothing stored and
+with the choices an earlier process stored on this machine (`ROFORMER_ROPE_CACHE`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -103,26 +106,44 @@ print(json.dumps(times))
 """
 
 
+SIDES = {"builtin": "built-in", "ours": "ours, timing its choices", "ours_stored": "ours, choices stored"}
+
+
+def _child(code: str, side: str, store: str) -> list[float]:
+    """The three timed first forwards of one fresh process; `store`: its ROFORMER_ROPE_CACHE folder."""
+    env = {**os.environ, "ROFORMER_ROPE_CACHE": store}
+    model = "builtin" if side == "builtin" else "ours"
+    out = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_first_forward(layers: int, processes: int = 3) -> Section:
     code = CHILD.format(bench=str(Path(__file__).parent), layers=layers, threads=torch.get_num_threads())
-    times: dict[str, list[list[float]]] = {"builtin": [], "ours": []}
-    for _ in range(processes):
-        for side in times:  # alternating, each in a fresh process
-            out = subprocess.run([sys.executable, "-c", code, side], capture_output=True, text=True, check=True)
-            times[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    times: dict[str, list[list[float]]] = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory() as stored:
+        _child(code, "ours", stored)  # an earlier process on this machine, which stores its choices
+        for _ in range(processes):
+            for side in times:  # alternating, each in a fresh process
+                with tempfile.TemporaryDirectory() as empty:
+                    times[side].append(_child(code, side, stored if side == "ours_stored" else empty))
     medians = {side: [statistics.median(run[i] for run in runs) for i in range(3)] for side, runs in times.items()}
     rows = [[f"call {i + 1}", fmt_ms(medians["builtin"][i]), fmt_ms(medians["ours"][i]),
-             f"{medians['builtin'][i] / medians['ours'][i]:.2f}×"] for i in range(3)]  # fmt: skip
-    print("first forwards 1×128: " + "; ".join(f"{r[0]} {r[1]} / {r[2]} ms" for r in rows), flush=True)
+             f"{medians['builtin'][i] / medians['ours'][i]:.2f}×", fmt_ms(medians["ours_stored"][i]),
+             f"{medians['builtin'][i] / medians['ours_stored'][i]:.2f}×"] for i in range(3)]  # fmt: skip
+    print("first forwards 1×128 (built-in / ours / ours with stored choices): "
+          + "; ".join(f"{r[0]} {r[1]} / {r[2]} / {r[4]} ms" for r in rows), flush=True)  # fmt: skip
     method = (
         f"Encoder forward {shape_name(1, 128)}, fp32, {layers} layers, in a fresh process per side ({processes} "
         "processes each, alternating; medians): call 1 includes our one-time calibration of each shape class it "
-        "meets, call 2 packs weights where packing was measured faster, call 3 is the steady state. "
-        "`ROFORMER_ROPE_FORCE=...` fixing every decision skips the calibration."
+        "meets, unless an earlier process on this machine stored its choices (`ROFORMER_ROPE_CACHE`, "
+        "`modeling_roformer_rope/stored_choices_roformer_rope.py`; one earlier process stores them before the "
+        "runs), call 2 packs weights where packing was measured faster, call 3 is the steady state. "
+        "`ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration."
     )
-    headers = ["call", "built-in ms", "ours ms", "built-in / ours"]
+    headers = ["call", "built-in ms", "ours ms", "built-in / ours", "ours, stored choices ms", "built-in / ours (stored)"]
     return Section("first_forward", "First forwards of a fresh process", method, headers, rows, None,
-                   {"rows": [{"call": i + 1, "builtin_s": medians["builtin"][i], "ours_s": medians["ours"][i]} for i in range(3)],
+                   {"rows": [{"call": i + 1, "builtin_s": medians["builtin"][i], "ours_s": medians["ours"][i],
+                              "ours_stored_s": medians["ours_stored"][i]} for i in range(3)],
                     "times": times})  # fmt: skip
 
 

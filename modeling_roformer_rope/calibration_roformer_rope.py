@@ -6,7 +6,9 @@ emulated (7× slower than float32) where the CPU has no bf16 instructions. So in
 the first call of a shape class times the candidates on a small slice of the real problem and keeps the
 faster (`choose`); later calls look the choice up. The classes are coarse (the GEMM's inner and outer
 sizes and a row bucket; the attention's dtype and key-length bucket), so a model calibrates a handful of
-them, each in a few milliseconds.
+them per row bucket, each in 2-70 ms on a 2-core Cascade Lake (~0.9 s over a 4-layer model's first forwards at 1,
+16, 128 and 2048 tokens: `python bench/experiments.py --only calibration_cost`). The choices are kept on disk for
+the next process on the same machine (`stored_choices_roformer_rope.py`; `ROFORMER_ROPE_CACHE=0` switches that off).
 
 Visible: every decision is logged at DEBUG ("roformer_rope dispatch: ...") and listed by `decisions()`
 (the benchmarks print them). Overridable: `ROFORMER_ROPE_ONEDNN=0|1` / `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1` /
@@ -22,12 +24,15 @@ from collections.abc import Callable
 
 import torch
 
+from .stored_choices_roformer_rope import store, stored
+
 logger = logging.getLogger(__name__)
 
 _choices: dict[tuple, str] = {}
 _timings: dict[tuple, dict[str, float]] = {}
 _forced: dict[str, str | None] = {}
 _checked: set[tuple] = set()  # (key, forced path) pairs known to name a candidate
+_from_store: set[tuple] = set()  # keys whose choice was read from disk (`stored_choices_roformer_rope.py`)
 KINDS = (
     "linear", "linear_backward", "linear_gelu", "linear_packed", "linear_emulated", "attention", "attention_dropout",
     "attention_exp", "sdpa_layout",
@@ -74,6 +79,7 @@ def force(kind: str, path: str | None) -> None:
     _forced[kind] = path
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]
+        _from_store.discard(key)
     _forget_derived()
 
 
@@ -89,8 +95,10 @@ def forced(kind: str) -> str | None:
 
 
 def reset() -> None:
+    """Forget every choice made in this process (a choice stored on disk is read again on its next use)."""
     _choices.clear()
     _timings.clear()
+    _from_store.clear()
     _forget_derived()
 
 
@@ -164,19 +172,31 @@ def choose(key: tuple, candidates: Candidates | Callable[[], Candidates]) -> str
     if choice is None:
         if callable(candidates):
             candidates = candidates()
-        with torch.no_grad():
-            times = _time_interleaved(candidates, key)
-        if not times:
-            raise RuntimeError(f"roformer_rope dispatch: no candidate runs for {key}")
-        choice = min(times, key=times.get)
+        kept = stored(key)  # timed by an earlier process on this machine (`stored_choices_roformer_rope.py`)
+        if kept is not None and kept[0] in candidates:
+            (choice, times), how = kept, "stored"
+            _from_store.add(key)
+        else:
+            with torch.no_grad():
+                times = _time_interleaved(candidates, key)
+            if not times:
+                raise RuntimeError(f"roformer_rope dispatch: no candidate runs for {key}")
+            choice, how = min(times, key=times.get), "measured"
+            store(key, choice, times)
         _choices[key], _timings[key] = choice, times
         logger.debug(
-            "roformer_rope dispatch: %s → %s (%s)",
+            "roformer_rope dispatch: %s → %s (%s %s)",
             key,
             choice,
+            how,
             ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items()),
         )
     return choice
+
+
+def from_store(key: tuple) -> bool:
+    """Whether `key`'s choice in this process was read from disk rather than timed here."""
+    return key in _from_store
 
 
 def decisions() -> list[dict]:
@@ -205,5 +225,6 @@ def length_bucket(length: int) -> int:
 
 
 __all__ = [
-    "KINDS", "choose", "decisions", "force", "force_default", "forced", "length_bucket", "memo", "reset", "row_bucket"
+    "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "memo", "reset",
+    "row_bucket",
 ]  # fmt: skip

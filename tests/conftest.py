@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and randomised built-in RoFormer models (the independent oracle)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,11 @@ import pytest
 import torch
 import transformers
 
-import modeling_roformer_rope as rr
+# Every test process times its own calibration choices (tests count and force them): none are read from, or written
+# to, the user's store (`stored_choices_roformer_rope.py`); tests/test_stored_choices.py turns it on in a tmp folder.
+os.environ["ROFORMER_ROPE_CACHE"] = "0"
+
+import modeling_roformer_rope as rr  # noqa: E402
 
 TINY = dict(
     vocab_size=99,
@@ -147,6 +152,7 @@ def tiny():
 def probe_json(code: str, **env: str) -> dict:
     """Run `code` in a fresh interpreter whose environment is only `env` (the payload reads its switches at
     import); its last line of output is JSON, returned parsed."""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "PATH": ""})
+    env = {"ROFORMER_ROPE_CACHE": "0", **env, "PATH": ""}  # no stored choices unless `env` names a folder
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
