@@ -194,6 +194,12 @@ def choose(key: tuple, candidates: Candidates | Callable[[], Candidates]) -> str
     return choice
 
 
+def measured(key: tuple) -> dict[str, float] | None:
+    """The seconds each candidate of `key`'s decision took (this process's or the stored timing), None if forced or
+    not decided."""
+    return None if _forced.get(key[0]) is not None else _timings.get(key)
+
+
 def from_store(key: tuple) -> bool:
     """Whether `key`'s choice in this process was read from disk rather than timed here."""
     return key in _from_store
@@ -225,6 +231,6 @@ def length_bucket(length: int) -> int:
 
 
 __all__ = [
-    "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "memo", "reset",
+    "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo", "reset",
     "row_bucket",
 ]  # fmt: skip

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUActivation
 
-from .calibration_roformer_rope import choose, force_default, forced, memo, row_bucket
+from .calibration_roformer_rope import choose, force_default, forced, measured, memo, row_bucket
 from .prepack_roformer_rope import available as packing_available
 from .prepack_roformer_rope import forget, packed_linear, packed_weight, proxy_gemm, proxy_pack
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
@@ -523,7 +523,7 @@ def _packed_choice(
         if path == "packed" and not mkl:
             path = "onednn_packed"
         return path if path == "unpacked" or (path == "packed" and mkl) or dnn else "unpacked"
-    key = ("linear_packed", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
+    key = _packed_key(x2d, weight)
 
     def candidates():
         proxy = x2d[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
@@ -538,7 +538,17 @@ def _packed_choice(
     return choose(key, candidates)
 
 
+def _packed_key(x2d: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return ("linear_packed", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
+
+
 _PACK_KIND = {"packed": "mkl", "onednn_packed": "onednn", "unpacked": None}
+# MKL's pack where the row count repeats, else the weight's oneDNN pack (`_inference_linear`). An MKL pack serves one
+# row count, so in a stream of varying lengths (one sentence at a time) it never applies and the class ran unpacked;
+# the oneDNN pack serves any row count. Taken where the `linear_packed` decision timed oneDNN's pack faster than the
+# unpacked GEMM too: on a 2-core Cascade Lake 40 review lengths at batch 1 (12 layers) then ran 1.16-1.24× the
+# built-in's speed instead of 1.10-1.14× (`python bench/experiments.py --only varied_lengths --layers 12`).
+MKL_OR_ONEDNN = "mkl_or_onednn"
 
 
 def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, traced: bool):
@@ -547,7 +557,12 @@ def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     mkl, dnn = _packing_applies(x2d, weight, traced), _onednn_packing_applies(x2d, weight, onednn)
     if not (mkl or dnn):
         return gemm, None
-    return gemm, _PACK_KIND[_packed_choice(x2d, weight, bias, gemm, mkl, dnn)]
+    kind = _PACK_KIND[_packed_choice(x2d, weight, bias, gemm, mkl, dnn)]
+    if kind == "mkl" and dnn:
+        times = measured(_packed_key(x2d, weight)) or {}  # none when forced
+        if times.get("onednn_packed", float("inf")) < times.get("unpacked", 0.0):
+            return gemm, MKL_OR_ONEDNN
+    return gemm, kind
 
 
 # `_decide_inference`'s answers, by everything they depend on: deciding again walks five checks and two lookups,
@@ -589,7 +604,11 @@ def _inference_linear(
     """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class (eager only)."""
     gemm, kind = _inference_choice(x2d, weight, bias, onednn, False)  # eager: `linear` checked tracing
     if kind is not None:
-        y = packed_linear(x2d.contiguous(), weight, bias, kind)  # None until the weight has run twice (MKL: at N rows)
+        x2d = x2d.contiguous()
+        # None until the weight has run twice (MKL: at N rows twice in a row)
+        y = packed_linear(x2d, weight, bias, "mkl" if kind == MKL_OR_ONEDNN else kind)
+        if y is None and kind == MKL_OR_ONEDNN:
+            y = packed_linear(x2d, weight, bias, "onednn")
         if y is not None:
             return y
     return gemm(x2d if gemm is F.linear else x2d.contiguous(), weight, bias)  # F.linear reads strided inputs as is
@@ -599,6 +618,7 @@ def _proxy_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """A callable running on x2d's first rows the GEMM `_inference_linear` would choose for x2d's shape class."""
     proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
     gemm, kind = _inference_choice(x2d, weight, bias)
+    kind = "mkl" if kind == MKL_OR_ONEDNN else kind  # the proxy's row count repeats
     return proxy_gemm(proxy.contiguous(), weight, bias, kind) if kind else lambda: gemm(proxy, weight, bias)
 
 

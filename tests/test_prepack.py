@@ -362,3 +362,42 @@ def test_autocast_inference_never_packs(onednn_packing):
             for _ in range(3):
                 layer(x)
         assert prepack.pack_kinds(layer.weight) == [] and onednn_packing == []
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not prepack.available("onednn") or fast._LINEAR_POINTWISE is None, reason="no oneDNN packs")
+@pytest.mark.parametrize("onednn_pack_faster", [True, False])
+def test_varying_row_counts_fall_back_to_the_onednn_pack_where_it_was_timed_faster(monkeypatch, onednn_pack_faster):
+    """A class whose decision chose MKL's pack (one row count) runs a stream of varying row counts on the weight's
+    oneDNN pack (any row count) when the same decision timed that pack faster than the unpacked GEMM, else unpacked;
+    a row count that repeats still gets MKL's pack. Every output equals `F.linear`."""
+    calibration.reset()
+    times = {"unpacked": 2e-3, "packed": 1e-3, "onednn_packed": 1.5e-3 if onednn_pack_faster else 2.5e-3}
+    monkeypatch.setattr(fast, "_packed_choice", lambda *args: "packed")
+    monkeypatch.setattr(fast, "measured", lambda key: times if key[0] == "linear_packed" else None)
+    fast._plans.clear()
+    runs = []
+    for kind in prepack.KINDS:  # record which pack each GEMM ran on
+        ops = prepack._ops(kind)
+        monkeypatch.setattr(
+            prepack, "_OPS" if kind == "mkl" else "_ONEDNN_OPS",
+            (ops[0], lambda *args, kind=kind, run=ops[1]: runs.append(kind) or run(*args)),
+        )  # fmt: skip
+    torch.manual_seed(0)
+    layer = fast.RoFormerRopeLinear(48, 40)
+    try:
+        for rows in (20, 30, 40, 50, 60):  # one bucket (17-64 rows), never the same count twice in a row
+            x = torch.randn(rows, 48)
+            _close(layer(x), layer, x)
+        if onednn_pack_faster:
+            assert prepack.pack_kinds(layer.weight) == ["onednn"] and runs == ["onednn"] * 4  # from the second call
+        else:
+            assert prepack.pack_kinds(layer.weight) == [] and runs == []
+        runs.clear()
+        x = torch.randn(33, 48)
+        for _ in range(3):
+            _close(layer(x), layer, x)
+        assert runs[-1] == "mkl" and prepack.pack_rows(layer.weight) == 33
+    finally:
+        fast._plans.clear()
+        calibration.reset()

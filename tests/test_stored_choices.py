@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import probe_json
 
+from conftest import probe_json
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope import stored_choices_roformer_rope as stored
 
