@@ -46,7 +46,7 @@ from transformers.activations import GELUActivation
 
 from .calibration_roformer_rope import choose, force_default, forced, measured, memo, row_bucket
 from .prepack_roformer_rope import available as packing_available
-from .prepack_roformer_rope import forget, packed_linear, packed_weight, proxy_gemm, proxy_pack
+from .prepack_roformer_rope import forget, packed_linear, packed_weight, proxy_gemm, proxy_pack, rows_changed
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -605,9 +605,11 @@ def _inference_linear(
     gemm, kind = _inference_choice(x2d, weight, bias, onednn, False)  # eager: `linear` checked tracing
     if kind is not None:
         x2d = x2d.contiguous()
+        # the oneDNN pack only once the row count has changed between calls: a first call records nothing for it
+        varying = kind == MKL_OR_ONEDNN and rows_changed(weight, x2d.shape[0])
         # None until the weight has run twice (MKL: at N rows twice in a row)
         y = packed_linear(x2d, weight, bias, "mkl" if kind == MKL_OR_ONEDNN else kind)
-        if y is None and kind == MKL_OR_ONEDNN:
+        if y is None and varying:
             y = packed_linear(x2d, weight, bias, "onednn")
         if y is not None:
             return y

@@ -17,7 +17,9 @@ This file is the mechanism; when to pack and which kind (measured per shape clas
 `onednn_roformer_rope.linear`.
 - At most one pack per weight and kind. An MKL pack is made on the second of two calls in a row with the same row
   count and the same weight (a stream of varying lengths never packs); a later row count that repeats replaces it.
-  A oneDNN pack is made on the second call with the same weight, whatever the row counts.
+  A oneDNN pack is made on the second call with the same weight, whatever the row counts. (A class that chose MKL's
+  pack also uses the weight's oneDNN pack on row counts that change from call to call, where its decision timed
+  that pack faster than the unpacked GEMM: `onednn_roformer_rope.MKL_OR_ONEDNN`.)
 - Held weakly, keyed by the weight tensor itself: freed with it, invisible to `state_dict`, `copy` and `pickle`;
   dropped when the weight runs with autograd (training is about to change it).
 - Dropped when the weight changes: in place (its version counter), new storage (its data pointer), or a write
@@ -135,6 +137,12 @@ def packed_linear(
     return _ops(kind)[1](x2d, packed, weight.detach(), bias, x2d.shape[0])  # (N, O)
 
 
+def rows_changed(weight: torch.Tensor, rows: int) -> bool:
+    """The weight's previous call for an MKL pack had another row count than `rows` (a stream of varying lengths)."""
+    previous = _previous.get(weight, {}).get("mkl")
+    return previous is not None and previous[0] != rows
+
+
 def forget(weight: torch.Tensor) -> None:
     """Drop `weight`'s packs (a training step is about to change the weight: don't hold their memory meanwhile)."""
     if _packs or _previous:
@@ -185,4 +193,4 @@ def proxy_gemm(
 
 
 __all__ = ["KINDS", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight", "proxy_gemm",
-           "proxy_pack"]
+           "proxy_pack", "rows_changed"]
