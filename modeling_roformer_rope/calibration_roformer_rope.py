@@ -6,8 +6,8 @@ emulated (7× slower than float32) where the CPU has no bf16 instructions. So in
 the first call of a shape class times the candidates on a small slice of the real problem and keeps the
 faster (`choose`); later calls look the choice up. The classes are coarse (the GEMM's inner and outer
 sizes and a row bucket; the attention's dtype and key-length bucket), so a model calibrates a handful of
-them per row bucket, each in 2-70 ms on a 2-core Cascade Lake (~0.9 s over a 4-layer model's first forwards at 1,
-16, 128 and 2048 tokens: `python bench/experiments.py --only calibration_cost`). The choices are kept on disk for
+them per row bucket, each in 2-70 ms on a 2-core Cascade Lake (~0.7 s over a 4-layer model's first forwards at 1,
+16, 128 and 4×512 tokens: `python bench/experiments.py --only calibration_cost`). The choices are kept on disk for
 the next process on the same machine (`stored_choices_roformer_rope.py`; `ROFORMER_ROPE_CACHE=0` switches that off).
 
 Visible: every decision is logged at DEBUG ("roformer_rope dispatch: ...") and listed by `decisions()`

@@ -1,11 +1,12 @@
 """The calibration's choices kept on disk, so that the next process on the same machine looks them up.
 
 Why: a process times the candidates of each shape class on first use (`calibration_roformer_rope.choose`). On a
-2-core Cascade Lake, first forwards of a 4-layer model at 1, 16, 128 and 4×512 tokens spend ~1 s doing so, and a
-stream of 40 sentences of varying length ran 0.82× the built-in's speed in its first pass, 1.15× once every class was
-decided (`python bench/experiments.py --only calibration_cost`, `bench/bench_generate.py`'s fresh processes). The
-answer depends on the machine (CPU, ISA limits, torch build, thread count) and on this code, not on the process: the
-next process would time the same candidates to the same answer.
+2-core Cascade Lake, first forwards of a 4-layer model at 1, 16, 128 and 4×512 tokens spend ~0.7 s doing so
+(`python bench/experiments.py --only calibration_cost`), and 40 review lengths at batch 1 through a 12-layer model ran
+0.91× the built-in's speed in a fresh process's first pass, 1.15-1.19× in the next two, and 1.16× in the first pass of
+a second process that read the first one's choices (`--only varied_lengths`). The answer depends on the machine
+(CPU, ISA limits, torch build, thread count) and on this code, not on the process: the next process would time the
+same candidates to the same answer.
 
 Where: one JSON file per machine signature (`dispatch-<hash>.json`) in `$ROFORMER_ROPE_CACHE`, else
 `$XDG_CACHE_HOME/roformer_rope`, else `~/.cache/roformer_rope`; `ROFORMER_ROPE_CACHE=0` (or `off`) switches it off.
@@ -122,7 +123,7 @@ _loaded: dict[str, dict[str, dict]] = {}  # file path → its entries, read once
 
 
 def _key(key: tuple) -> str:
-    return json.dumps(list(key))
+    return json.dumps(list(key), default=str)
 
 
 def stored(key: tuple) -> tuple[str, dict[str, float]] | None:
@@ -137,7 +138,8 @@ def stored(key: tuple) -> tuple[str, dict[str, float]] | None:
     entry = entries.get(_key(key))
     if entry is None:
         return None
-    times = entry.get("ms", {})
+    times = entry.get("ms")
+    times = times if isinstance(times, dict) else {}
     return entry["choice"], {name: float(ms) / 1e3 for name, ms in times.items() if isinstance(ms, (int, float))}
 
 

@@ -180,3 +180,17 @@ def test_a_second_process_reads_every_choice_and_computes_the_same_bits(tmp_path
     assert second["timed"] == 0 and second["stored"] == second["made"] >= 3
     assert second["choices"] == {key: first["choices"][key] for key in second["choices"]}
     assert second["out"] == first["out"]
+
+
+def test_entries_of_the_wrong_shape_are_skipped(store):
+    """A hand-edited or truncated entry (no choice, times not a mapping) is not used; the class is timed again."""
+    calibration.choose(KEY, counted({"fast": 1, "slow": 40}, {"fast": 0, "slow": 0}))
+    (path,) = store.glob("dispatch-*.json")
+    data = json.loads(path.read_text())
+    other = ("linear", "torch.float32", 48, 64, 64)
+    data["choices"][json.dumps(list(KEY))] = {"ms": {"fast": 1.0}}  # no choice
+    data["choices"][json.dumps(list(other))] = {"choice": "fast", "ms": "garbled"}
+    path.write_text(json.dumps(data))
+    stored.forget_loaded()
+    assert stored.stored(KEY) is None
+    assert stored.stored(other) == ("fast", {})
