@@ -546,8 +546,9 @@ _PACK_KIND = {"packed": "mkl", "onednn_packed": "onednn", "unpacked": None}
 # MKL's pack where the row count repeats, else the weight's oneDNN pack (`_inference_linear`). An MKL pack serves one
 # row count, so in a stream of varying lengths (one sentence at a time) it never applies and the class ran unpacked;
 # the oneDNN pack serves any row count. Taken where the `linear_packed` decision timed oneDNN's pack faster than the
-# unpacked GEMM too: on a 2-core Cascade Lake 40 review lengths at batch 1 (12 layers) then ran 1.16-1.24× the
-# built-in's speed instead of 1.10-1.14× (`python bench/experiments.py --only varied_lengths --layers 12`).
+# unpacked GEMM too: on a 2-core Cascade Lake 40 review lengths at batch 1 (12 layers) then ran 1.15-1.19× the
+# built-in's speed after the first pass instead of 1.08-1.11× (`python bench/experiments.py --only varied_lengths
+# --layers 12`).
 MKL_OR_ONEDNN = "mkl_or_onednn"
 
 

@@ -24,7 +24,7 @@ def store(monkeypatch, tmp_path):
     stored.forget_loaded()
 
 
-def counted(costs: dict[str, float], calls: dict[str, int]):
+def counted(costs: dict[str, int], calls: dict[str, int]):
     """Candidates that count their calls in `calls`; `costs`: how many 64×64 matmuls each runs per call."""
     x = torch.randn(64, 64)
 
