@@ -186,27 +186,13 @@ def summary(sections: dict[str, Section]) -> str:
                 ]
             )
     for r in sections["first_forward"].data["rows"][:1] if "first_forward" in sections else []:
-        rows.append(
-            [
-                "first forward of a fresh process (ours: + calibration)",
-                "1×128",
-                f"{fmt_ms(r['builtin_s'])} ms",
-                f"{fmt_ms(r['ours_s'])} ms",
-                f"{r['builtin_s'] / r['ours_s']:.2f}× (one-time)",
-                "",
-            ]
-        )
-        if "ours_stored_s" in r:  # a process after the first on this machine: choices read from disk
-            rows.append(
-                [
-                    "first forward of a later process (ours: stored choices)",
-                    "1×128",
-                    f"{fmt_ms(r['builtin_s'])} ms",
-                    f"{fmt_ms(r['ours_stored_s'])} ms",
-                    f"{r['builtin_s'] / r['ours_stored_s']:.2f}×",
-                    "",
-                ]
-            )
+        for label, key, note in (
+            ("first forward of a fresh process (ours: + calibration)", "ours_s", " (one-time)"),
+            ("first forward of a later process (ours: stored choices)", "ours_stored_s", ""),  # choices read from disk
+        ):
+            if key in r:
+                ms, ratio = f"{fmt_ms(r[key])} ms", f"{r['builtin_s'] / r[key]:.2f}×{note}"
+                rows.append([label, "1×128", f"{fmt_ms(r['builtin_s'])} ms", ms, ratio, ""])
     for r in sections["compile"].data["rows"] if "compile" in sections else []:
         rows.append(
             [
