@@ -23,6 +23,8 @@ Experiments
   skips them), `ne(0).any` vs one `any` reduction, bf16 and float32, at B·T rows × 50000 words, 15% of rows labelled.
 - mlm_zero_rows: a dense-head MLM training step, ours as built (the head's and the last layer's linears after its
   attention skip the ignored positions' zero gradient rows) vs with only the decoder skipping them, vs the built-in.
+- classification_heads: sequence classification, padded batches: built-in vs ours vs ours computing every position
+  in the last layer (without `summary_position`), inference forward and a training step with AdamW.
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here.
 - calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
@@ -913,6 +915,53 @@ def mlm_zero_rows(layers: int, reps: int, shapes) -> None:
         del builtin, ours, decoder_only, models
 
 
+
+def classification_heads(layers: int, reps: int, shapes) -> None:
+    """Sequence classification (what `scripts/finetune.py` and the Trainer fine-tune), padded batches, fp32: the
+    built-in, ours, and ours computing every position in the last layer (`summary_position` off), interleaved, same
+    weights; inference forward, and a training step (forward, backward, AdamW step, as the Trainer runs it)."""
+    import transformers
+    from common import builtin_config
+
+    from roformer_rope.conversion.from_transformers import convert_model
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers, 2 labels")
+    print("| B×T | mode | built-in ms | ours, every position ms | ours ms | every position / ours | built-in / ours |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        torch.manual_seed(0)
+        builtin = transformers.RoFormerForSequenceClassification(builtin_config(layers, max(512, length), num_labels=2))
+        ours = convert_model(builtin)
+        full = copy.deepcopy(ours)
+        full.roformer._summary_layer = lambda *args: None  # every position, as before the reduction
+        models = {"builtin": builtin, "full": full, "ours": ours}
+        inputs = random_batch(batch, length, pad=True)
+        inputs["labels"] = torch.arange(batch) % 2
+        for model in models.values():
+            model.eval()
+        with torch.no_grad():
+            expected = builtin(**inputs).logits  # (B, 2): nothing is timed on wrong outputs
+            worst = max((m(**inputs).logits - expected).abs().max().item() for m in (ours, full))
+            if not worst <= 1e-4:
+                raise AssertionError(f"logits differ from the built-in's by {worst:.3g}: refusing to time")
+            t = interleaved({name: partial(m, **inputs) for name, m in models.items()}, reps=reps, warmup=1)
+        print(f"| {batch}×{length} | inference | {t.ms('builtin'):.0f} | {t.ms('full'):.0f} | {t.ms('ours'):.0f} | "
+              f"{t.ratio('full', 'ours'):.2f}× | {t.ratio('builtin', 'ours'):.2f}× |", flush=True)  # fmt: skip
+        optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
+
+        def step(name, inputs=inputs, models=models, optimizers=optimizers):
+            models[name](**inputs).loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+
+        for model in models.values():
+            model.train()
+        t = interleaved({name: partial(step, name) for name in models}, reps=reps, warmup=1)
+        print(f"| {batch}×{length} | training step | {t.ms('builtin'):.0f} | {t.ms('full'):.0f} | {t.ms('ours'):.0f} | "
+              f"{t.ratio('full', 'ours'):.2f}× | {t.ratio('builtin', 'ours'):.2f}× | (logits max abs diff {worst:.1e})",
+              flush=True)  # fmt: skip
+        del builtin, ours, full, models, optimizers
+
 # Narrow models on short inputs, where a forward is a few hundred small kernels and the Python around them weighs:
 # (hidden size, heads, layers, batch, length).
 SMALL_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), (128, 4, 4, 1, 128), (256, 4, 4, 8, 128))
@@ -1328,6 +1377,7 @@ def main() -> None:
         "attention_operands": lambda: attention_operands(R, shapes),
         "zero_rows": lambda: zero_rows(R, shapes),
         "mlm_zero_rows": lambda: mlm_zero_rows(L, R, shapes),
+        "classification_heads": lambda: classification_heads(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
         "calibration_cost": lambda: calibration_cost(L, R, shapes),
         "varied_lengths": lambda: varied_lengths(L),

@@ -117,8 +117,25 @@ def convert_config(builtin_config) -> RoFormerRopeConfig:  # noqa: F821
         )
     fields = {key: source[key] for key in _CONFIG_FIELDS if key in source}
     architectures = [ARCHITECTURES.get(a, a) for a in source.get("architectures") or []]
-    # The built-in multiple-choice head scores the last token (XLM-style summary); keep that for parity.
-    return RoFormerRopeConfig(**fields, summary_type="last", architectures=architectures or None)
+    return RoFormerRopeConfig(**fields, summary_type=_summary_type(source), architectures=architectures or None)
+
+
+def _summary_type(source: dict) -> str:
+    """The token the built-in multiple-choice head scores: its `RoFormerSequenceSummary` reads `summary_type` from
+    the config, "last" when unset (XLM-style); "first" and "last" map over, any other summary has no equivalent."""
+    summary_type = source.get("summary_type") or "last"
+    if summary_type not in ("first", "last"):
+        raise ConversionError(
+            f"config summary_type={summary_type!r}: only 'first' and 'last' have an equivalent here "
+            "(RoFormerRopeForMultipleChoice scores one token)"
+        )
+    for extra in ("summary_use_proj", "summary_activation"):
+        if source.get(extra):
+            raise ConversionError(
+                f"config {extra}={source[extra]!r}: the built-in multiple-choice summary would add a projection or "
+                "activation that RoFormerRopeForMultipleChoice does not have"
+            )
+    return summary_type
 
 
 def model_class_for(builtin_class_name: str):

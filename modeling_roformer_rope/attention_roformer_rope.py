@@ -162,8 +162,11 @@ class RoFormerRopeSelfAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        query_position: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`query_position` (0 or -1): attend from that one position only, to every key; the output is then (B, 1, C).
+        Exact for a caller that reads only that position (a [CLS] head on the last layer: `RoFormerRopeModel`)."""
         B, T, _ = hidden_states.shape
         qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
         query, key, value = rotate_qkv(qkv, *position_embeddings, self.rotary_value, self.qkv)  # 3 × (B, T, H, D)
@@ -171,6 +174,11 @@ class RoFormerRopeSelfAttention(nn.Module):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
+        if query_position is not None:
+            rows = position_slice(query_position)
+            query, T = query[:, :, rows], 1  # (B, H, 1, D) view, rotated at its own position
+            if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[2] > 1:
+                attention_mask = attention_mask[:, :, rows]  # (B, 1 | H, 1, S): that query's row of the mask
 
         attn_output, attn_weights = softmax_attention_function(self.config)(
             self,
@@ -186,6 +194,11 @@ class RoFormerRopeSelfAttention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
 
+def position_slice(position: int) -> slice:
+    """The one-element slice of sequence position `position` (0 or negative: -1 is the last)."""
+    return slice(position, position + 1 or None)
+
+
 def attention_class(config, layer_idx: int) -> type[nn.Module]:
     """The attention module of layer `layer_idx`: by `config.layer_types`, else `config.attention_type`."""
     return RoFormerRopeSelfAttention if config.attention_kind(layer_idx) == "softmax" else RoFormerRopeLinearSelfAttention
@@ -195,6 +208,7 @@ __all__ = [
     "RoFormerRopeSelfAttention",
     "attention_class",
     "eager_attention_forward",
+    "position_slice",
     "sdpa_attention_forward",
     "softmax_attention_function",
     "unilm_mask_function",

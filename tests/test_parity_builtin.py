@@ -171,3 +171,14 @@ def test_report_max_differences():
     """Printed with `pytest tests/test_parity_builtin.py -s`: the figures quoted in the README."""
     for name, diff in sorted(MAX_DIFFS.items()):
         print(f"{name}: {diff:.1e}")
+
+
+def test_multiple_choice_summary_type_is_carried_over_or_refused():
+    """The built-in's summary reads `summary_type` ("last" when unset); it used to be converted as "last" always."""
+    for summary_type, expected in ((None, "last"), ("first", "first"), ("last", "last")):
+        extra = {"summary_type": summary_type} if summary_type else {}
+        assert convert_model(builtin_model("RoFormerForMultipleChoice", **extra)).config.summary_type == expected
+    with pytest.raises(ConversionError, match="summary_type='mean'"):
+        convert_model(builtin_model("RoFormerForMultipleChoice", summary_type="mean"))
+    with pytest.raises(ConversionError, match="summary_use_proj=True"):
+        convert_model(builtin_model("RoFormerForMultipleChoice", summary_use_proj=True))
