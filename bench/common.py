@@ -53,14 +53,15 @@ def builtin_config(layers: int, max_positions: int, **overrides) -> transformers
 def make_pair(
     layers: int, max_positions: int = 8192, head: str = "base", attn: str = "sdpa", seed: int = 0, **overrides
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(built-in, ours) with identical random weights. head: "base" (the encoder), "mlm" or "causal" (a decoder with
-    the LM head, for generation); `overrides`: config fields other than base width's (`builtin_config`)."""
+    """(built-in, ours) with identical random weights. head: "base" (the encoder), "mlm", "causal" (a decoder with
+    the LM head, for generation) or "seqcls" (sequence classification; `num_labels=` among the overrides);
+    `overrides`: config fields other than base width's (`builtin_config`)."""
     torch.manual_seed(seed)
     config = builtin_config(layers, max_positions, **overrides)
     if head == "causal":
         config.is_decoder = True
     cls = {"base": transformers.RoFormerModel, "mlm": transformers.RoFormerForMaskedLM,
-           "causal": transformers.RoFormerForCausalLM}[head]  # fmt: skip
+           "causal": transformers.RoFormerForCausalLM, "seqcls": transformers.RoFormerForSequenceClassification}[head]  # fmt: skip
     builtin = cls(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a conversion slip cannot hide behind 1/0
         g = torch.Generator().manual_seed(seed)

@@ -915,23 +915,15 @@ def mlm_zero_rows(layers: int, reps: int, shapes) -> None:
         del builtin, ours, decoder_only, models
 
 
-
 def classification_heads(layers: int, reps: int, shapes) -> None:
     """Sequence classification (what `scripts/finetune.py` and the Trainer fine-tune), padded batches, fp32: the
     built-in, ours, and ours computing every position in the last layer (`summary_position` off), interleaved, same
     weights; inference forward, and a training step (forward, backward, AdamW step, as the Trainer runs it)."""
-    import transformers
-    from common import builtin_config
-
-    from roformer_rope.conversion.from_transformers import convert_model
-
     print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers, 2 labels")
     print("| B×T | mode | built-in ms | ours, every position ms | ours ms | every position / ours | built-in / ours |")
     print("|---|---|---|---|---|---|---|")
     for batch, length in shapes:
-        torch.manual_seed(0)
-        builtin = transformers.RoFormerForSequenceClassification(builtin_config(layers, max(512, length), num_labels=2))
-        ours = convert_model(builtin)
+        builtin, ours = make_pair(layers, max(512, length), head="seqcls", num_labels=2)
         full = copy.deepcopy(ours)
         full.roformer._summary_layer = lambda *args: None  # every position, as before the reduction
         models = {"builtin": builtin, "full": full, "ours": ours}
@@ -961,6 +953,7 @@ def classification_heads(layers: int, reps: int, shapes) -> None:
               f"{t.ratio('full', 'ours'):.2f}× | {t.ratio('builtin', 'ours'):.2f}× | (logits max abs diff {worst:.1e})",
               flush=True)  # fmt: skip
         del builtin, ours, full, models, optimizers
+
 
 # Narrow models on short inputs, where a forward is a few hundred small kernels and the Python around them weighs:
 # (hidden size, heads, layers, batch, length).

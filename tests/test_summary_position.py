@@ -56,22 +56,23 @@ def test_training_gradients_equal_the_builtin_s():
     ours = convert_model(builtin).train()
     batch = padded_batch(batch=3, seq_len=11)
     labels = torch.tensor([0, 2, 1])
-    builtin(**batch, labels=labels).loss.backward()
+    expected = builtin(**batch, labels=labels).loss
+    expected.backward()
     loss = ours(**batch, labels=labels).loss
     loss.backward()
-    torch.testing.assert_close(loss, builtin(**batch, labels=labels).loss, atol=1e-6, rtol=1e-6)
-    grads = dict(ours.named_parameters())
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    params = dict(ours.named_parameters())
     builtin_grads = {name: p.grad for name, p in builtin.named_parameters() if p.grad is not None}
     # the built-in's query/key/value weights are our fused qkv rows [query; key; value]
     layer = builtin.roformer.encoder.layer[-1].attention.self
     fused = torch.cat([layer.query.weight.grad, layer.key.weight.grad, layer.value.weight.grad])
-    torch.testing.assert_close(grads["roformer.layers.1.attention.qkv.weight"].grad, fused, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(params["roformer.layers.1.attention.qkv.weight"].grad, fused, atol=1e-5, rtol=1e-4)
     up = builtin.roformer.encoder.layer[-1].intermediate.dense.weight.grad
-    torch.testing.assert_close(grads["roformer.layers.1.mlp.up_proj.weight"].grad, up, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(params["roformer.layers.1.mlp.up_proj.weight"].grad, up, atol=1e-5, rtol=1e-4)
     word = builtin_grads["roformer.embeddings.word_embeddings.weight"]
-    torch.testing.assert_close(grads["roformer.embeddings.word_embeddings.weight"].grad, word, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(params["roformer.embeddings.word_embeddings.weight"].grad, word, atol=1e-5, rtol=1e-4)
     head = builtin_grads["classifier.dense.weight"]
-    torch.testing.assert_close(grads["classifier.dense.weight"].grad, head, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(params["classifier.dense.weight"].grad, head, atol=1e-5, rtol=1e-4)
 
 
 def test_gradient_checkpointing_keeps_the_reduction_exact():
