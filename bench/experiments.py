@@ -25,6 +25,8 @@ Experiments
   attention skip the ignored positions' zero gradient rows) vs with only the decoder skipping them, vs the built-in.
 - classification_heads: sequence classification, padded batches: built-in vs ours vs ours computing every position
   in the last layer (without `summary_position`), inference forward and a training step with AdamW.
+- mlm_selected_rows: a `sparse_prediction` MLM training step with AdamW (the pretraining step): built-in vs ours vs
+  ours computing every position in the last layer (without `selected_positions`).
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here.
 - calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
@@ -955,6 +957,52 @@ def classification_heads(layers: int, reps: int, shapes) -> None:
         del builtin, ours, full, models, optimizers
 
 
+def mlm_selected_rows(layers: int, reps: int, shapes) -> None:
+    """A `sparse_prediction` MLM training step (forward, backward, AdamW step; what `scripts/pretrain.py` runs), fp32,
+    15% of positions labelled: the built-in (dense head, its only form), ours, and ours computing every position in
+    the last layer (without `selected_positions`), interleaved, same weights; loss and gradients checked first."""
+    from bench_train import mlm_labels
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers")
+    print("| B×T | built-in ms | ours, every position ms | ours ms | every position / ours | built-in / ours |")
+    print("|---|---|---|---|---|---|")
+    for batch, length in shapes:
+        builtin, ours = make_pair(layers, max(512, length), head="mlm")
+        ours.config.sparse_prediction = True
+        full = copy.deepcopy(ours)
+        full.roformer._summary_layer = lambda *args: None  # every position, as before the reduction
+        models = {"builtin": builtin, "full": full, "ours": ours}
+        inputs = random_batch(batch, length)
+        inputs["labels"] = mlm_labels(inputs["input_ids"])
+        for model in models.values():
+            model.train()
+        losses, grads = [], []
+        for model in (builtin, full, ours):  # the reduction is exact: nothing is timed otherwise
+            loss = model(**inputs).loss
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([p.grad for p in model.parameters()] if model is not builtin else None)
+            if model is not builtin:
+                model.zero_grad(set_to_none=True)
+        worst = max((a - b).abs().max().item() for a, b in zip(grads[1], grads[2]))
+        builtin.zero_grad(set_to_none=True)
+        if not (worst <= 1e-4 and abs(losses[0] - losses[2]) <= 1e-4 and abs(losses[1] - losses[2]) <= 1e-5):
+            raise AssertionError(f"losses {losses}, gradients differ by {worst:.3g}: refusing to time")
+        del grads
+        optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
+
+        def step(name, inputs=inputs, models=models, optimizers=optimizers):
+            models[name](**inputs).loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+
+        t = interleaved({name: partial(step, name) for name in models}, reps=reps, warmup=1)
+        print(f"| {batch}×{length} | {t.ms('builtin'):.0f} | {t.ms('full'):.0f} | {t.ms('ours'):.0f} | "
+              f"{t.ratio('full', 'ours'):.3f}× | {t.ratio('builtin', 'ours'):.2f}× | (loss {losses[2]:.4f}, "
+              f"gradients max abs diff {worst:.1e})", flush=True)  # fmt: skip
+        del builtin, ours, full, models, optimizers
+
+
 # Narrow models on short inputs, where a forward is a few hundred small kernels and the Python around them weighs:
 # (hidden size, heads, layers, batch, length).
 SMALL_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), (128, 4, 4, 1, 128), (256, 4, 4, 8, 128))
@@ -1371,6 +1419,7 @@ def main() -> None:
         "zero_rows": lambda: zero_rows(R, shapes),
         "mlm_zero_rows": lambda: mlm_zero_rows(L, R, shapes),
         "classification_heads": lambda: classification_heads(L, R, shapes),
+        "mlm_selected_rows": lambda: mlm_selected_rows(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
         "calibration_cost": lambda: calibration_cost(L, R, shapes),
         "varied_lengths": lambda: varied_lengths(L),

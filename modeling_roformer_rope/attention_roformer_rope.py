@@ -162,11 +162,13 @@ class RoFormerRopeSelfAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        query_position: int | None = None,
+        query_position: int | torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`query_position` (0 or -1): attend from that one position only, to every key; the output is then (B, 1, C).
-        Exact for a caller that reads only that position (a [CLS] head on the last layer: `RoFormerRopeModel`)."""
+        """`query_position`: attend from some positions only, to every key. 0 or -1: that one position, the output is
+        (B, 1, C); a (B, T) bool mask: the selected positions, the output is (N, C), the selected rows in row-major
+        order (as `output[query_position]` of the whole computation). Exact for a caller that reads only those
+        positions (a [CLS] head, or an MLM loss on the labelled tokens, on the last layer: `RoFormerRopeModel`)."""
         B, T, _ = hidden_states.shape
         qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
         query, key, value = rotate_qkv(qkv, *position_embeddings, self.rotary_value, self.qkv)  # 3 × (B, T, H, D)
@@ -174,7 +176,13 @@ class RoFormerRopeSelfAttention(nn.Module):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
-        if query_position is not None:
+        valid = None
+        if torch.is_tensor(query_position):
+            index, valid = selected_queries(query_position)  # (B, L) each
+            query, T = gather_positions(query, index, dim=2), index.shape[1]  # (B, H, L, D), rotated at their own
+            if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[2] > 1:
+                attention_mask = gather_positions(attention_mask.expand(B, -1, -1, -1), index, dim=2)  # (B, 1|H, L, S)
+        elif query_position is not None:
             rows = position_slice(query_position)
             query, T = query[:, :, rows], 1  # (B, H, 1, D) view, rotated at its own position
             if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[2] > 1:
@@ -191,12 +199,34 @@ class RoFormerRopeSelfAttention(nn.Module):
             **kwargs,
         )
         attn_output = attn_output.reshape(B, T, -1)  # (B, T, H·D)
+        if valid is not None:
+            attn_output = attn_output[valid]  # (N, H·D): the padding slots of rows with fewer selections dropped
         return self.o_proj(attn_output), attn_weights
 
 
 def position_slice(position: int) -> slice:
     """The one-element slice of sequence position `position` (0 or negative: -1 is the last)."""
     return slice(position, position + 1 or None)
+
+
+def selected_queries(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions a (B, T) bool mask selects, as a padded (B, L) index (L = the most any row selects, at least 1):
+    each row's selected positions first, in increasing order, then unselected ones as padding; and the (B, L) bool
+    mask of the slots that are real selections. `x.gather(index)[valid]` lists the rows `x[selected]` lists."""
+    counts = selected.sum(dim=1)  # (B,)
+    slots = max(int(counts.max()) if counts.numel() else 0, 1)
+    index = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :slots]  # (B, L)
+    valid = torch.arange(slots, device=selected.device) < counts[:, None]  # (B, L)
+    return index, valid
+
+
+def gather_positions(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` (B, ..., T, ...) with the sequence axis `dim` replaced by `index`'s (B, L) positions (per batch row)."""
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = index.shape
+    expanded = list(x.shape)
+    expanded[dim] = index.shape[1]
+    return x.gather(dim, index.view(shape).expand(expanded))  # (B, ..., L, ...)
 
 
 def attention_class(config, layer_idx: int) -> type[nn.Module]:
@@ -208,8 +238,10 @@ __all__ = [
     "RoFormerRopeSelfAttention",
     "attention_class",
     "eager_attention_forward",
+    "gather_positions",
     "position_slice",
     "sdpa_attention_forward",
+    "selected_queries",
     "softmax_attention_function",
     "unilm_mask_function",
 ]

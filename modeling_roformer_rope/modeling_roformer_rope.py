@@ -139,10 +139,11 @@ class RoFormerRopeLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
-        query_position: int | None = None,
+        query_position: int | torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """`query_position`: compute only that position's output (B, 1, C), attending to every key (softmax layers)."""
+        """`query_position` (softmax layers): compute only some positions' outputs, attending to every key. 0 or -1:
+        that position, (B, 1, C); a (B, T) bool mask: the selected positions, (N, C) in row-major order."""
         cache = take_cache(cache, kwargs)
         if query_position is not None:
             kwargs["query_position"] = query_position
@@ -153,7 +154,9 @@ class RoFormerRopeLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        if query_position is not None:
+        if torch.is_tensor(query_position):
+            hidden_states = hidden_states[query_position]  # (N, C), the rows the attention output lists
+        elif query_position is not None:
             hidden_states = hidden_states[:, position_slice(query_position)]  # (B, 1, C)
         hidden_states = self.attention_norm(hidden_states + self.dropout(attn_output))
         return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
@@ -266,12 +269,10 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         return any(layer.mask_kind == "softmax" for layer in self.layers)
 
     def _summary_layer(
-        self, position: int | None, cache: Cache | None, mask: torch.Tensor | None, kwargs: dict
+        self, position: int | torch.Tensor | None, cache: Cache | None, mask: torch.Tensor | None, kwargs: dict
     ) -> nn.Module | None:
-        """The last layer, when only `position`'s final state is wanted and nothing else reads the others (see
-        `summary_position` in `forward`); else None."""
-        if position is not None and position not in (0, -1):
-            raise ValueError(f"summary_position must be 0 (the first token) or -1 (the last), got {position!r}")
+        """The last layer, when only `position`'s final states are wanted and nothing else reads the others (see
+        `summary_position` and `selected_positions` in `forward`); else None."""
         if position is None or cache is not None or not self.layers or self.layers[-1].mask_kind != "softmax":
             return None
         if self.config._attn_implementation not in ("eager", "sdpa") or not (mask is None or torch.is_tensor(mask)):
@@ -280,6 +281,39 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         if any(kwargs.get(name, getattr(self.config, name, False)) for name in recorded):
             return None  # every layer's full output is returned
         return self.layers[-1]
+
+    def _check_selection(
+        self,
+        summary_position: int | None,
+        selected_positions: torch.Tensor | None,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+    ) -> int | torch.Tensor | None:
+        """The positions `forward` was asked for (`summary_position` or `selected_positions`), checked."""
+        if summary_position is not None and summary_position not in (0, -1):
+            raise ValueError(
+                f"summary_position must be 0 (the first token) or -1 (the last), got {summary_position!r}"
+            )
+        if selected_positions is None:
+            return summary_position
+        if summary_position is not None:
+            raise ValueError("pass summary_position or selected_positions, not both")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        if not torch.is_tensor(selected_positions) or selected_positions.dtype != torch.bool:
+            raise ValueError(
+                f"selected_positions must be a bool tensor of shape (batch, seq) {tuple(shape)}, got "
+                f"{getattr(selected_positions, 'dtype', type(selected_positions).__name__)}"
+            )
+        if selected_positions.shape != shape:
+            raise ValueError(
+                f"selected_positions has shape {tuple(selected_positions.shape)}, the inputs {tuple(shape)}"
+            )
+        if self.pooler is not None:
+            raise ValueError(
+                "selected_positions returns the selected rows only, and the pooler reads [CLS] of every sequence: "
+                "use a model without a pooler (add_pooling_layer=False)"
+            )
+        return selected_positions.to(self.device)
 
     def _key_padding_mask(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
         """The (B, T) key mask of the new tokens for linear-attention layers (True = real token)."""
@@ -334,6 +368,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         summary_position: int | None = None,
+        selected_positions: torch.BoolTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         r"""
@@ -348,6 +383,13 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             ~6% of a 12-layer encoder's, ~19% of a 4-layer one's. Ignored
             (the full sequence) when hidden states or attentions are being returned, with a KV cache, when the
             last layer is a linear-attention one, and with attention implementations other than eager and sdpa.
+        selected_positions (`torch.BoolTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The positions whose final states the caller reads, as an MLM loss on its labelled tokens does
+            (`sparse_prediction`). The last layer then computes only those positions and `last_hidden_state` is
+            (N, hidden), the selected rows in row-major order (what `last_hidden_state[selected_positions]` of the
+            whole computation gives). With 15% of the tokens selected, ~85% of the last layer's attention, output
+            projection and MLP are skipped in the forward and the attention's backward. Ignored (the full sequence,
+            (batch, seq, hidden)) in the same cases as `summary_position`; not with a pooler, which reads [CLS].
         """
         cache = take_cache(cache, kwargs)
         for name in ("encoder_hidden_states", "encoder_attention_mask"):
@@ -370,6 +412,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             self.config.num_attention_heads,
             self.config._attn_implementation,
         )
+        selection = self._check_selection(summary_position, selected_positions, input_ids, inputs_embeds)
         if (
             attention_mask is not None
             and attention_mask.dim() == 4
@@ -401,14 +444,14 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             )
         if self.has_linear_layers:
             masks["linear"] = self._key_padding_mask(attention_mask, hidden_states.shape[1])
-        summary_layer = self._summary_layer(summary_position, cache, masks.get("softmax"), kwargs)
+        summary_layer = self._summary_layer(selection, cache, masks.get("softmax"), kwargs)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
                 attention_mask=masks[layer.mask_kind],
                 position_embeddings=position_embeddings,
                 **cache_kwarg(cache),  # under this transformers' name: gradient checkpointing drops it by name
-                **({"query_position": summary_position} if layer is summary_layer else {}),
+                **({"query_position": selection} if layer is summary_layer else {}),
                 **kwargs,
             )
 
@@ -488,24 +531,31 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
         labels: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MaskedLMOutput:
+        keep = None
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if labels is not None and tokens is not None:  # no tokens at all: the encoder says so
+            shape = tokens.shape[:2]  # (B, T)
+            _check_label_shape(labels, shape)
+            labels = labels.reshape(shape)
+            if self.config.sparse_prediction:
+                # Only the masked ~15% of tokens carry a label: the last layer (but for its keys and values) and the
+                # vocabulary projection (the largest GEMM of an MLM step) run on those rows only.
+                keep = labels != -100  # (B, T)
         outputs = self.roformer(
             input_ids,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            selected_positions=keep,
             return_dict=True,  # the head reads fields: a config with return_dict=False gets its tuple from the head
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state  # (B, T, C)
-        if labels is not None:
-            _check_label_shape(labels, hidden_states.shape[:-1])
-        if labels is not None and self.config.sparse_prediction:
-            # Only the masked ~15% of tokens carry a label: run the vocabulary projection (the largest GEMM of
-            # an MLM step) on those rows only. Logits then have shape (N_labelled, V).
-            keep = labels.reshape(-1) != -100
-            hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])[keep]  # (N, C)
-            labels = labels.reshape(-1)[keep]  # (N,)
+        hidden_states = outputs.last_hidden_state  # (B, T, C), or (N, C) with sparse_prediction
+        if keep is not None:
+            if hidden_states.dim() == 3:  # the encoder computed every position (see `selected_positions`)
+                hidden_states = hidden_states[keep.to(hidden_states.device)]  # (N, C)
+            labels = labels[keep]  # (N,), in the order of the rows
         logits = self.lm_head(hidden_states)  # (B, T, V), or (N, V) with sparse_prediction
         loss = None
         if labels is not None and logits.dtype == torch.float64:
