@@ -51,7 +51,8 @@ class RoFormerRopeConfig(PreTrainedConfig):
       `performer_rope_placement` (`"before_features"`: rotate q, k then take features, the paper's Performer
       experiment; `"numerator"`: eq. 19's placement on the features).
     - `sparse_prediction`: when `...ForMaskedLM` gets `labels`, compute logits only for labelled tokens
-      (returned as (N_labelled, vocab_size)); speeds up MLM training. Off by default.
+      (returned as (N_labelled, vocab_size)), and the last layer only those positions (attending to every key);
+      the same loss and gradients, less compute in MLM training. Off by default.
 
     `max_position_embeddings` is informational only (and the `dynamic` scaling's trained length): rotary
     sinusoids are computed for the actual positions, so any length runs.
