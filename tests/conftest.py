@@ -92,6 +92,22 @@ def decoder_or_unilm_outputs(unilm: bool, padded: bool, seq_len: int, dtype: tor
     return fast, eager, batch["attention_mask"].bool(), config
 
 
+def spy_last_layer(model: torch.nn.Module) -> list:
+    """The shapes the last encoder layer returns, one per call (a forward hook)."""
+    shapes = []
+    model.base_model.layers[-1].register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
+    return shapes
+
+
+def backward_both(builtin: torch.nn.Module, ours: torch.nn.Module, **inputs) -> None:
+    """One forward + backward of each model on the same inputs; asserts the losses equal (atol 1e-6)."""
+    expected = builtin(**inputs).loss
+    expected.backward()
+    loss = ours(**inputs).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+
+
 def spy(monkeypatch, owner, name: str) -> list:
     """Wrap `owner.name` for this test so that every call's result is appended to the list returned."""
     results = []

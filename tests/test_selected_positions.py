@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import modeling_roformer_rope as rr
-from conftest import builtin_model, padded_batch, randomise_, tiny_config
+from conftest import backward_both, builtin_model, padded_batch, randomise_, spy_last_layer, tiny_config
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from modeling_roformer_rope.attention_roformer_rope import gather_positions, selected_queries
 from roformer_rope.conversion.from_transformers import convert_model
@@ -32,12 +32,6 @@ def _sparse_builtin_pair(**config) -> tuple[torch.nn.Module, torch.nn.Module]:
     return builtin, ours
 
 
-def _spy_last_layer(model: torch.nn.Module) -> list:
-    shapes = []
-    model.base_model.layers[-1].register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
-    return shapes
-
-
 def test_selected_queries_pad_each_row_to_the_longest_in_order():
     selected = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
     index, valid = selected_queries(selected)
@@ -57,7 +51,7 @@ def test_sparse_mlm_equals_the_builtin_on_the_labelled_rows(attn):
     batch = padded_batch(batch=3, seq_len=13)
     labels = _labels(batch)
     keep = labels != -100
-    shapes = _spy_last_layer(ours)
+    shapes = spy_last_layer(ours)
     with torch.no_grad():
         expected = builtin(**batch, labels=labels)
         reduced = ours(**batch, labels=labels)
@@ -75,11 +69,7 @@ def test_sparse_mlm_training_gradients_equal_the_builtin_s():
     builtin.train(), ours.train()
     batch = padded_batch(batch=3, seq_len=11)
     labels = _labels(batch, seed=1)
-    expected = builtin(**batch, labels=labels).loss
-    expected.backward()
-    loss = ours(**batch, labels=labels).loss
-    loss.backward()
-    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    backward_both(builtin, ours, **batch, labels=labels)
     params = dict(ours.named_parameters())
     last = builtin.roformer.encoder.layer[-1]
     fused = torch.cat([last.attention.self.query.weight.grad, last.attention.self.key.weight.grad,
@@ -104,7 +94,7 @@ def test_gradient_checkpointing_keeps_the_selection_exact():
     plain = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     model.activation_checkpointing_enable()
-    shapes = _spy_last_layer(model)
+    shapes = spy_last_layer(model)
     model(**batch, labels=labels).loss.backward()
     assert shapes[0] == (int((labels != -100).sum()), 32)
     for name, p in model.named_parameters():
@@ -178,7 +168,7 @@ def test_no_reduction_where_it_cannot_apply():
     model.set_attn_implementation("eager")
     batch = padded_batch(batch=3)
     labels = _labels(batch)
-    shapes = _spy_last_layer(model)
+    shapes = spy_last_layer(model)
     with torch.no_grad():
         reduced = model(**batch, labels=labels).logits
         out = model(**batch, labels=labels, output_attentions=True)
@@ -186,7 +176,7 @@ def test_no_reduction_where_it_cannot_apply():
     torch.testing.assert_close(out.logits, reduced, atol=1e-5, rtol=1e-5)
     config = tiny_config(sparse_prediction=True, attention_type="linear", layer_types=["full_attention", "linear_attention"])
     mixed = randomise_(rr.RoFormerRopeForMaskedLM(config)).eval()
-    shapes = _spy_last_layer(mixed)
+    shapes = spy_last_layer(mixed)
     with torch.no_grad():
         logits = mixed(**batch, labels=labels).logits
         full = mixed(**batch).logits  # (B, T, V)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import modeling_roformer_rope as rr
-from conftest import builtin_model, padded_batch, randomise_, tiny_config
+from conftest import backward_both, builtin_model, padded_batch, randomise_, spy_last_layer, tiny_config
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 from roformer_rope.conversion.from_transformers import convert_model
 
@@ -16,14 +16,6 @@ from roformer_rope.conversion.from_transformers import convert_model
 def _choices(batch: dict, n: int = 3) -> dict:
     """(B, T) inputs → (B, n, T): the rows rolled per choice, so the choices differ."""
     return {k: torch.stack([v.roll(i, dims=1) for i in range(n)], dim=1) for k, v in batch.items()}
-
-
-def _spy_last_layer(model: torch.nn.Module) -> list:
-    """The shapes the last encoder layer returns (a forward hook)."""
-    shapes = []
-    base = model.base_model
-    base.layers[-1].register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
-    return shapes
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -39,7 +31,7 @@ def test_classification_heads_compute_one_position_in_the_last_layer(class_name,
     batch = padded_batch(seq_len=13)
     if class_name == "RoFormerForMultipleChoice":
         batch = _choices(batch)
-    shapes = _spy_last_layer(ours)
+    shapes = spy_last_layer(ours)
     with torch.no_grad():
         expected = builtin(**batch).logits
         reduced = ours(**batch).logits
@@ -56,11 +48,7 @@ def test_training_gradients_equal_the_builtin_s():
     ours = convert_model(builtin).train()
     batch = padded_batch(batch=3, seq_len=11)
     labels = torch.tensor([0, 2, 1])
-    expected = builtin(**batch, labels=labels).loss
-    expected.backward()
-    loss = ours(**batch, labels=labels).loss
-    loss.backward()
-    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    backward_both(builtin, ours, **batch, labels=labels)
     params = dict(ours.named_parameters())
     builtin_grads = {name: p.grad for name, p in builtin.named_parameters() if p.grad is not None}
     # the built-in's query/key/value weights are our fused qkv rows [query; key; value]
@@ -82,7 +70,7 @@ def test_gradient_checkpointing_keeps_the_reduction_exact():
     plain = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     model.activation_checkpointing_enable()
-    shapes = _spy_last_layer(model)
+    shapes = spy_last_layer(model)
     model(**batch, labels=labels).loss.backward()
     assert shapes[0] == (2, 1, 32)
     for name, p in model.named_parameters():
