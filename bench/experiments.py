@@ -28,7 +28,9 @@ Experiments
 - mlm_selected_rows: a `sparse_prediction` MLM training step with AdamW (the pretraining step): built-in vs ours vs
   ours computing every position in the last layer (without `selected_positions`).
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
-  it takes to read every linear weight once at the float32 read bandwidth measured here.
+  it takes to read every linear weight once at the float32 read bandwidth measured here; and ours with each linear
+  walking the whole dispatch path instead of looking its plan up. decode_step_narrow: the same at 64 wide
+  (vocabulary 500), where a step is nothing but per-call overhead.
 - calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
   rounds vs stopped once settled (`calibration_roformer_rope._settled`): milliseconds spent, and what the choices
   cost against the best candidate as 12 rounds of every candidate time it.
@@ -798,31 +800,55 @@ def _read_bandwidth(reps: int, mib: int = 512) -> float:
     return big.numel() * 4 / t.median("sum") / 1e9
 
 
-def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32) -> None:
+def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32, hidden: int | None = None) -> None:
     """One greedy decode step (one new token, KV cache, fp32) of the causal LM: built-in vs ours, vs the memory
     bound. A step reads every weight once (the 50000-row LM head alone is 154 MB) and the weights do not stay in
-    cache from one step to the next, so the step is bound by memory bandwidth, not by the GEMM rate."""
+    cache from one step to the next, so the step is bound by memory bandwidth, not by the GEMM rate. Also ours with
+    every linear walking the whole dispatch path (`linear` without `_fast_inference_plan`): what that lookup saves.
+    `hidden`: a narrow model instead of base width (2 heads of hidden/2, vocabulary 500), where a step is all
+    per-call overhead, no bandwidth."""
     from bench_generate import prompt_batch
 
-    builtin, ours = make_pair(layers, max_positions=512, head="causal")
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    narrow = {} if hidden is None else dict(hidden_size=hidden, num_attention_heads=2, intermediate_size=2 * hidden,
+                                           vocab_size=500, embedding_size=hidden)  # fmt: skip
+    builtin, ours = make_pair(layers, max_positions=512, head="causal", **narrow)
     prompt = prompt_batch([prompt_length])
+    if hidden is not None:
+        prompt["input_ids"] = prompt["input_ids"] % 500  # (1, T) ids inside the narrow vocabulary
     for model in (builtin, ours):
         _decode_steps(model, prompt, 8)  # warm-up: calibration, packs
     weight_bytes = sum(
         m.weight.numel() * m.weight.element_size() for m in ours.modules() if isinstance(m, torch.nn.Linear)
     )
-    per_step: dict[str, list[float]] = {"built-in": [], "ours": []}
+    lookup = fast._fast_inference_plan
+
+    def whole_path():
+        fast._fast_inference_plan = lambda *args: None
+        try:
+            return _decode_steps(ours, prompt, steps)
+        finally:
+            fast._fast_inference_plan = lookup
+
+    per_step: dict[str, list[float]] = {"built-in": [], "ours": [], "ours, whole dispatch path": []}
     for _ in range(reps):  # alternate whole decodes, take every step's time
         per_step["built-in"] += _decode_steps(builtin, prompt, steps)
         per_step["ours"] += _decode_steps(ours, prompt, steps)
+        per_step["ours, whole dispatch path"] += whole_path()
     bandwidth = _read_bandwidth(reps)
-    print(f"decode step after a {prompt_length}-token prompt, {layers} layers, fp32 (median of {reps}×{steps} steps): "
-          f"linear weights read per step {weight_bytes / 1e6:.0f} MB; float32 read bandwidth (sum over 512 MiB) "
-          f"{bandwidth:.1f} GB/s, so ≥{1e3 * weight_bytes / bandwidth / 1e9:.2f} ms per step")  # fmt: skip
+    width = f"{ours.config.hidden_size} wide" + ("" if hidden is None else f", vocabulary {ours.config.vocab_size}")
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print(f"decode step after a {prompt_length}-token prompt, {layers} layers {width}, fp32 (median of {reps}×{steps} "
+          f"steps): linear weights read per step {weight_bytes / 1e6:.1f} MB; float32 read bandwidth (sum over "
+          f"512 MiB) {bandwidth:.1f} GB/s, so ≥{1e3 * weight_bytes / bandwidth / 1e9:.2f} ms per step")  # fmt: skip
     medians = {name: sorted(t)[len(t) // 2] for name, t in per_step.items()}
     for name, median in medians.items():
         print(f"  {name}: {1e3 * median:.2f} ms per step, weights at {weight_bytes / median / 1e9:.1f} GB/s")
-    print(f"  built-in / ours: {medians['built-in'] / medians['ours']:.2f}×")
+    print(f"  built-in / ours: {medians['built-in'] / medians['ours']:.2f}×; whole dispatch path / ours: "
+          f"{medians['ours, whole dispatch path'] / medians['ours']:.2f}×")
+    gelu = [d for d in calibration.decisions() if d["class"][0] == "linear_gelu" and d["class"][-1] == 1]
+    print(f"  the one-row up-projection + GELU decisions: {gelu}")
 
 
 def attention_operands(reps: int, shapes) -> None:
@@ -1012,20 +1038,22 @@ def small_models(reps: int, block_seconds: float = 0.02) -> None:
     as many calls as fill ~`block_seconds`, `reps`·8 blocks, medians per call."""
     from modeling_roformer_rope import onednn_roformer_rope as fast
 
-    remembered = fast._inference_choice
+    remembered, lookup = fast._inference_choice, fast._fast_inference_plan
 
     def decided_each_call(x2d, weight, bias, onednn=None, traced=None):
         onednn = fast._onednn_applies(x2d, weight) if onednn is None else onednn
         return fast._decide_inference(x2d, weight, bias, onednn, fast.tracing() if traced is None else traced)
 
     def with_choice(choice, model, inputs, calls):
-        def run():
+        def run():  # the plan decided per call: on the whole path too (the short lookup would remember it)
             fast._inference_choice = choice
+            if choice is not remembered:
+                fast._fast_inference_plan = lambda *args: None
             try:
                 for _ in range(calls):
                     model(**inputs)
             finally:
-                fast._inference_choice = remembered
+                fast._inference_choice, fast._fast_inference_plan = remembered, lookup
 
         return run
 
@@ -1419,6 +1447,7 @@ def main() -> None:
         "classification_heads": lambda: classification_heads(L, R, shapes),
         "mlm_selected_rows": lambda: mlm_selected_rows(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
+        "decode_step_narrow": lambda: decode_step(L, R, hidden=64),
         "calibration_cost": lambda: calibration_cost(L, R, shapes),
         "varied_lengths": lambda: varied_lengths(L),
         "small_models": lambda: small_models(R),

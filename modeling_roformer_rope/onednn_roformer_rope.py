@@ -425,7 +425,7 @@ def _onednn_applies(x: torch.Tensor, weight: torch.Tensor, traced: bool | None =
     """oneDNN's GEMM can run this linear (`traced`: `tracing()` if the caller has it already)."""
     return (
         _LINEAR_POINTWISE is not None
-        and x.device.type == "cpu"
+        and x.is_cpu
         and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _NATIVE[torch.bfloat16]))
         and weight.dtype == x.dtype
         and x.numel() > 0
@@ -603,7 +603,38 @@ def _inference_linear(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool | None = None
 ) -> torch.Tensor:
     """x2d (N, I) → (N, O) without autograd, on the GEMM measured fastest for the shape class (eager only)."""
-    gemm, kind = _inference_choice(x2d, weight, bias, onednn, False)  # eager: `linear` checked tracing
+    return _run_plan(x2d, weight, bias, *_inference_choice(x2d, weight, bias, onednn, False))  # `linear` checked tracing
+
+
+def _fast_inference_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """For a float32 CPU call of `linear` without autograd or autocast, outside tracing: the (gemm, kind) plan its
+    whole path runs (`_inference_choice`'s, or `F.linear` unpacked where neither oneDNN nor a pack applies), looked
+    up by the inputs' shapes and the weight's layout alone; None for any other call. Walking the whole path
+    (tracing, oneDNN and packing checks, the plan's longer key) cost ~25 µs per linear on a 2-core Cascade Lake, as
+    much as the one-row GEMM of a small model's decode step."""
+    if not (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2):
+        return None
+    if torch.is_autocast_enabled("cpu") or tracing():
+        return None
+    width, numel = x.shape[-1], x.numel()
+    if width != weight.shape[1] or numel == 0:
+        return None  # the whole path raises F.linear's shape error, or returns F.linear's empty output
+    rows = numel // width
+    if _plans_settings[0] is not settings:
+        _plans.clear()
+        _plans_settings[0] = settings
+    # everything else the whole path reads: the shape class (its row bucket also tells whether MKL's pack applies,
+    # ≤ PACK_MAX_ROWS), and the weight's layout and ZeRO-3 partitioning (whether any pack applies)
+    key = ("fast", width, weight.shape[0], row_bucket(rows), weight.is_contiguous(), hasattr(weight, "ds_id"))
+    plan = _plans.get(key)
+    if plan is None:
+        x2d = x.reshape(-1, width)  # (N, I)
+        plan = _plans[key] = _inference_choice(x2d, weight, bias, _onednn_applies(x, weight, False), False)
+    return plan
+
+
+def _run_plan(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm, kind) -> torch.Tensor:
+    """x2d (N, I) → (N, O) on the plan's unpacked GEMM, or on the weight's pack of `kind` once it has one."""
     if kind is not None:
         x2d = x2d.contiguous()
         # the oneDNN pack only once the row count has changed between calls: a first call records nothing for it
@@ -632,6 +663,12 @@ def linear(
 
     `zero_grad_rows`: the upstream gradient is expected to be zero on most rows (an MLM decoder under a loss
     with ignored positions); the backward then runs its GEMMs on the other rows only."""
+    if not torch.is_grad_enabled():
+        plan = _fast_inference_plan(x, weight, bias)
+        if plan is not None:
+            return _run_plan(x.reshape(-1, x.shape[-1]), weight, bias, *plan).view(*x.shape[:-1], weight.shape[0])
+    if weight.dim() == 2 and x.dim() > 0 and x.shape[-1] != weight.shape[1]:
+        return F.linear(x, weight, bias)  # its error names both shapes (calibrating them failed with "no candidate")
     if x.dtype != torch.float32:
         warn_if_emulated(x)
     grad = torch.is_grad_enabled() and (
@@ -681,8 +718,9 @@ def hooked(*modules: nn.Module) -> bool:
         nn.modules.module._global_forward_hooks
         or nn.modules.module._global_forward_pre_hooks
         or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-        # PEFT's LoRA wrappers may return their base layer's output tensor itself.
-        or any(hooked(m.base_layer) for m in modules if isinstance(getattr(m, "base_layer", None), nn.Module))
+        # PEFT's LoRA wrappers may return their base layer's output tensor itself (a submodule: `_modules` holds it;
+        # `getattr` of a missing name costs nn.Module.__getattr__'s exception, a few µs per layer of a decode step)
+        or any(hooked(m._modules["base_layer"]) for m in modules if m._modules.get("base_layer") is not None)
     )
 
 
@@ -729,10 +767,28 @@ def activation(act_fn: nn.Module, x: torch.Tensor, *producers: nn.Module) -> tor
     return act_fn(x)
 
 
+def native_gelu_(x: torch.Tensor) -> torch.Tensor:
+    """Exact GELU in place on torch's own vectorised kernel, not oneDNN's. For a contiguous float32/bf16 CPU tensor
+    aten's GELU calls oneDNN's eltwise primitive, whose fixed cost dominates a few rows (one 3072-wide row on a 2-core
+    Cascade Lake: 36 µs, against 21 µs here) and which is faster on large tensors (2× at 1.5M elements); aten runs
+    its own kernel on a non-contiguous view, here of the same memory. Both are the erf form, within 1.2e-6."""
+    if not x.is_contiguous():
+        return torch.ops.aten.gelu_(x)  # aten's own kernel already
+    flat = x.view(-1)  # (n,)
+    even = flat.numel() // 2 * 2
+    if even:
+        torch.ops.aten.gelu_(flat[:even].view(2, -1).t())  # (even/2, 2) view of x's memory, strides (1, even/2)
+    if even < flat.numel():
+        torch.ops.aten.gelu_(flat[even:])  # the odd one out: oneDNN takes only more than one element
+    return x
+
+
 def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """GELU in oneDNN's GEMM epilogue ("fused", or "fused_packed" on the weight's oneDNN pack) or the GEMM then an
-    in-place GELU ("separate"), measured: the epilogue saves a pass over the (N, O) output with one thread and
-    loses with two on Sapphire Rapids. A forced "fused_packed" runs "fused" where packing does not apply."""
+    in-place GELU ("separate", or "separate_native" on torch's own GELU kernel: `native_gelu_`), measured: the
+    epilogue saves a pass over the (N, O) output with one thread and loses with two on Sapphire Rapids, and oneDNN's
+    GELU costs a fixed ~20 µs more per call than torch's, a decode step's share of a layer on small models. A forced
+    "fused_packed" runs "fused" where packing does not apply."""
     dnn = _onednn_packing_applies(x2d, weight, True)
     if forced("linear_gelu") == "fused_packed" and not dnn:
         return "fused"
@@ -746,12 +802,12 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
         gemm = []  # the GEMM `separate` stands for, looked up once, only if timed
 
-        def separate():
+        def separate(gelu_=torch.ops.aten.gelu_):
             if not gemm:
                 gemm.append(_proxy_gemm(x2d, weight, bias))
-            torch.ops.aten.gelu_(gemm[0]())
+            gelu_(gemm[0]())
 
-        paths = {"fused": fused, "separate": separate}
+        paths = {"fused": fused, "separate": separate, "separate_native": functools.partial(separate, native_gelu_)}
         if dnn:
             pack = proxy_pack(weight.detach(), "onednn")  # made on the untimed warm-up call
             paths["fused_packed"] = lambda: _LINEAR_POINTWISE(proxy, pack(), bias, "gelu", [], "none")
@@ -764,7 +820,8 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -> torch.Tensor:
     """act_fn(producer(x)). At CPU inference with exact GELU, where `producer`'s output cannot be seen by a hook,
-    the GELU may run inside oneDNN's GEMM (erf form, as F.gelu) when that measures faster on this CPU."""
+    the GELU may run inside oneDNN's GEMM (erf form, as F.gelu) or on torch's own GELU kernel (`native_gelu_`) when
+    that measures faster on this CPU (`_gelu_epilogue_choice`)."""
     if (
         isinstance(producer, RoFormerRopeLinear)
         and _exact_gelu(act_fn)
@@ -773,6 +830,8 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
     ):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
         choice = _gelu_epilogue_choice(x2d, producer.weight, producer.bias)
+        if choice == "separate_native":
+            return native_gelu_(producer(x))  # may modify: checked above
         if choice != "separate":
             weight = producer.weight
             if choice == "fused_packed":  # the weight's oneDNN pack, once it has run twice (None before)
@@ -790,6 +849,7 @@ __all__ = [
     "linear",
     "linear_activation",
     "may_modify_in_place",
+    "native_gelu_",
     "rotate",
     "rotate_qkv",
     "settings",

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from conftest import builtin_model, padded_batch, probe_json
@@ -33,7 +34,7 @@ def forced():
     "linear, backward, gelu, pack",
     [("onednn", "onednn", "fused", "unpacked"), ("onednn", "torch", "separate", "onednn_packed"),
      ("torch", "torch", "separate", "packed"), ("torch", "torch", "fused", "unpacked"),
-     ("onednn", "onednn", "fused_packed", "onednn_packed")],
+     ("onednn", "onednn", "fused_packed", "onednn_packed"), ("torch", "onednn", "separate_native", "unpacked")],
 )  # fmt: skip
 def test_every_path_equals_the_builtin(forced, linear, backward, gelu, pack, attention):
     """Forward (at a length where the attention kernel may run; twice, so packed weights are made and used) and
@@ -313,6 +314,54 @@ def test_decode_steps_get_their_own_gemm_classes(forced):
         prompt, step = layer(torch.randn(1, 16, 48)), layer(torch.randn(1, 1, 48))
     buckets = {d["class"][-1] for d in calibration.decisions() if d["class"][0] == "linear"}
     assert buckets == {16, 1} and prompt.shape == (1, 16, 40) and step.shape == (1, 1, 40)
+
+
+@needs_onednn
+@pytest.mark.parametrize("pack", ["packed", "onednn_packed", "unpacked"])
+def test_the_fast_inference_plan_is_the_whole_paths(forced, pack):
+    """`linear` without autograd looks its plan up by a short key: for every row class and weight layout it is the
+    plan the whole path decides (a contiguous weight's pack is never lent to a transposed or ZeRO-3 weight of the
+    same shapes), and outputs equal `F.linear`'s; other calls take the whole path."""
+    forced(linear=None, linear_packed=pack)
+    calibration.reset()
+    torch.manual_seed(0)
+    plain = torch.randn(40, 48)
+    weights = {"plain": plain, "transposed": torch.randn(48, 40).t(), "zero3": plain.clone()}
+    weights["zero3"].ds_id = 7
+    bias = torch.randn(40)
+    with torch.no_grad():
+        # the key's row bucket stands for "at most PACK_MAX_ROWS" (whether MKL's pack applies): a bucket boundary
+        assert calibration.row_bucket(fast.PACK_MAX_ROWS) == fast.PACK_MAX_ROWS
+        for rows in (1, 16, fast.PACK_MAX_ROWS, fast.PACK_MAX_ROWS + 1):
+            x = torch.randn(rows, 48)
+            for name, weight in weights.items():
+                for _ in range(3):  # the packs are made on the second call and used from the third
+                    plan = fast._fast_inference_plan(x[None], weight, bias)
+                    assert plan == fast._inference_choice(x, weight, bias), (rows, name)
+                    torch.testing.assert_close(fast.linear(x[None], weight, bias)[0], F.linear(x, weight, bias))
+                assert (plan[1] is None) == (name != "plain" or pack == "unpacked"), (rows, name, plan)
+        x = torch.randn(2, 48)
+        assert fast._fast_inference_plan(x.bfloat16(), plain.bfloat16(), None) is None
+        assert fast._fast_inference_plan(x[:0], plain, None) is None
+        assert fast._fast_inference_plan(x[:, :40], plain, None) is None
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"\(2x40 and 48x40\)"):
+                fast.linear(x[:, :40], plain)  # F.linear's error, naming both shapes
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert fast._fast_inference_plan(x, plain, None) is None
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # torch.backends.mkldnn.flags() says it, on every CPU
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 48), (3, 7), (1,), ()])
+def test_native_gelu_is_torchs_own_kernel_in_place(shape):
+    """`native_gelu_` writes in place exactly what aten's own GELU kernel gives (oneDNN's is ≤1.2e-6 off)."""
+    x = 3 * torch.randn(shape)
+    with torch.backends.mkldnn.flags(enabled=False):
+        expected = torch.nn.functional.gelu(x)
+    data = x.data_ptr()
+    out = fast.native_gelu_(x)
+    assert out is x and x.data_ptr() == data
+    torch.testing.assert_close(x, expected, atol=0, rtol=0)
 
 
 def test_a_forced_path_must_exist(forced):

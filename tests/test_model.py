@@ -389,6 +389,31 @@ def test_inference_gelu_in_place_equals_and_spares_hooked_outputs():
     torch.testing.assert_close(seen[0], mlp.up_proj(x))  # not GELU'd behind the hook's back
 
 
+def test_a_hook_on_a_wrapped_base_layer_counts_as_a_hook_on_the_wrapper():
+    """PEFT's LoRA wrappers hold the replaced linear as `base_layer` and may return its output tensor itself: a hook
+    there must keep the GELU and the rotation out of place (a wrapper without hooks below it lets them run in place)."""
+    from modeling_roformer_rope.onednn_roformer_rope import hooked, may_modify_in_place
+
+    class Wrapper(torch.nn.Module):  # the shape of a LoRA layer: base_layer + adapter
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer, self.lora_A = base, torch.nn.Identity()
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    wrapper = Wrapper(torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        assert not hooked(wrapper) and may_modify_in_place(wrapper)
+        handle = wrapper.base_layer.register_forward_hook(lambda *args: None)
+        assert hooked(wrapper) and not may_modify_in_place(wrapper)
+        handle.remove()
+        assert not hooked(wrapper)
+        handle = wrapper.lora_A.register_forward_pre_hook(lambda *args: None)  # not the base layer: no output kept
+        assert not hooked(wrapper)
+        handle.remove()
+
+
 def test_inference_rotates_in_place_unless_the_projection_is_hooked():
     torch.manual_seed(0)
     model = rr.RoFormerRopeModel(tiny_config()).eval()

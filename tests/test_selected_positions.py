@@ -56,12 +56,13 @@ def test_sparse_mlm_equals_the_builtin_on_the_labelled_rows(attn):
         expected = builtin(**batch, labels=labels)
         reduced = ours(**batch, labels=labels)
         full = ours(**batch, labels=labels, output_hidden_states=True)
-    assert shapes == [(int(keep.sum()), 32), (3, 13, 32)]  # reduced, then every position (hidden states returned)
+        flat = ours(**batch, labels=labels.reshape(-1)).logits  # labels flattened to (B·T,) as transformers accepts
+    n = int(keep.sum())
+    assert shapes == [(n, 32), (3, 13, 32), (n, 32)]  # reduced, every position (hidden states returned), reduced
     torch.testing.assert_close(reduced.logits, expected.logits[keep], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reduced.logits, full.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reduced.loss, expected.loss, atol=1e-6, rtol=1e-6)
-    flat = ours(**batch, labels=labels.reshape(-1)).logits  # labels flattened to (B·T,) as transformers accepts
-    torch.testing.assert_close(flat, reduced.logits, atol=0, rtol=0)
+    torch.testing.assert_close(flat, reduced.logits, atol=0, rtol=0)  # the same path (no autograd) as `reduced`
 
 
 def test_sparse_mlm_training_gradients_equal_the_builtin_s():
