@@ -79,6 +79,7 @@ option and timed by bench_train.py.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
 from functools import partial
@@ -800,6 +801,19 @@ def _read_bandwidth(reps: int, mib: int = 512) -> float:
     return big.numel() * 4 / t.median("sum") / 1e9
 
 
+@contextlib.contextmanager
+def whole_dispatch_path():
+    """Every linear walks `linear`'s whole dispatch path meanwhile (no `_fast_inference_plan` lookup)."""
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    lookup = fast._fast_inference_plan
+    fast._fast_inference_plan = lambda *args: None
+    try:
+        yield
+    finally:
+        fast._fast_inference_plan = lookup
+
+
 def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32, hidden: int | None = None) -> None:
     """One greedy decode step (one new token, KV cache, fp32) of the causal LM: built-in vs ours, vs the memory
     bound. A step reads every weight once (the 50000-row LM head alone is 154 MB) and the weights do not stay in
@@ -808,8 +822,6 @@ def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32
     `hidden`: a narrow model instead of base width (2 heads of hidden/2, vocabulary 500), where a step is all
     per-call overhead, no bandwidth."""
     from bench_generate import prompt_batch
-
-    from modeling_roformer_rope import onednn_roformer_rope as fast
 
     narrow = {} if hidden is None else dict(hidden_size=hidden, num_attention_heads=2, intermediate_size=2 * hidden,
                                            vocab_size=500, embedding_size=hidden)  # fmt: skip
@@ -822,14 +834,9 @@ def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32
     weight_bytes = sum(
         m.weight.numel() * m.weight.element_size() for m in ours.modules() if isinstance(m, torch.nn.Linear)
     )
-    lookup = fast._fast_inference_plan
-
     def whole_path():
-        fast._fast_inference_plan = lambda *args: None
-        try:
+        with whole_dispatch_path():
             return _decode_steps(ours, prompt, steps)
-        finally:
-            fast._fast_inference_plan = lookup
 
     per_step: dict[str, list[float]] = {"built-in": [], "ours": [], "ours, whole dispatch path": []}
     for _ in range(reps):  # alternate whole decodes, take every step's time
@@ -1038,7 +1045,7 @@ def small_models(reps: int, block_seconds: float = 0.02) -> None:
     as many calls as fill ~`block_seconds`, `reps`·8 blocks, medians per call."""
     from modeling_roformer_rope import onednn_roformer_rope as fast
 
-    remembered, lookup = fast._inference_choice, fast._fast_inference_plan
+    remembered = fast._inference_choice
 
     def decided_each_call(x2d, weight, bias, onednn=None, traced=None):
         onednn = fast._onednn_applies(x2d, weight) if onednn is None else onednn
@@ -1047,13 +1054,12 @@ def small_models(reps: int, block_seconds: float = 0.02) -> None:
     def with_choice(choice, model, inputs, calls):
         def run():  # the plan decided per call: on the whole path too (the short lookup would remember it)
             fast._inference_choice = choice
-            if choice is not remembered:
-                fast._fast_inference_plan = lambda *args: None
             try:
-                for _ in range(calls):
-                    model(**inputs)
+                with whole_dispatch_path() if choice is not remembered else contextlib.nullcontext():
+                    for _ in range(calls):
+                        model(**inputs)
             finally:
-                fast._inference_choice, fast._fast_inference_plan = remembered, lookup
+                fast._inference_choice = remembered
 
         return run
 

@@ -574,6 +574,13 @@ _plans = memo()
 _plans_settings = [settings]
 
 
+def _forget_plans_of_old_settings() -> None:
+    """Empty `_plans` when `settings` has been replaced since they were made (the switches decide what applies)."""
+    if _plans_settings[0] is not settings:
+        _plans.clear()
+        _plans_settings[0] = settings
+
+
 def _inference_choice(
     x2d: torch.Tensor,
     weight: torch.Tensor,
@@ -584,9 +591,7 @@ def _inference_choice(
     """(the faster unpacked GEMM, the pack kind that beats it or None) for x2d's shape class (`_decide_inference`)."""
     onednn = _onednn_applies(x2d, weight) if onednn is None else onednn
     traced = tracing() if traced is None else traced
-    if _plans_settings[0] is not settings:
-        _plans.clear()
-        _plans_settings[0] = settings
+    _forget_plans_of_old_settings()
     rows = x2d.shape[0]
     key = (
         x2d.dtype, x2d.device.type, x2d.shape[1], row_bucket(rows), 0 < rows <= PACK_MAX_ROWS,
@@ -620,9 +625,7 @@ def _fast_inference_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if width != weight.shape[1] or numel == 0:
         return None  # the whole path raises F.linear's shape error, or returns F.linear's empty output
     rows = numel // width
-    if _plans_settings[0] is not settings:
-        _plans.clear()
-        _plans_settings[0] = settings
+    _forget_plans_of_old_settings()
     # everything else the whole path reads: the shape class (its row bucket also tells whether MKL's pack applies,
     # ≤ PACK_MAX_ROWS), and the weight's layout and ZeRO-3 partitioning (whether any pack applies)
     key = ("fast", width, weight.shape[0], row_bucket(rows), weight.is_contiguous(), hasattr(weight, "ds_id"))
