@@ -7,9 +7,11 @@ each, greedy with the KV cache, built-in vs ours (dynamic cache) vs ours with `c
 the generated tokens must be identical before anything is timed. A one-row decode step has its own GEMM shape
 classes (`calibration_roformer_rope.row_bucket`), so the prompt's choice does not carry over to it.
 
-First forward: each side in its own fresh process (the other model is built but never run), the first three
-1×128 encoder forwards timed: the first includes the per-process calibration of every shape class it meets
-(and packing weights happens on the second), the third is the steady state; ours twice, with nothing stored and
+First forward: each side in its own fresh process (the other model is built but never run), the first twelve
+1×128 encoder forwards timed: the first ones include the per-process calibration of every shape class they meet
+(timed on the real calls of each inference linear class; weights are packed from their second call or once timing
+chose a pack), the last is the steady state; ours three times: with nothing stored, with nothing stored and every
+class timed on proxies before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`, as before 2026-11-29), and
 with the choices an earlier process stored on this machine (`ROFORMER_ROPE_CACHE`).
 """
 
@@ -98,7 +100,7 @@ model = builtin if sys.argv[1] == "builtin" else ours
 inputs = random_batch(1, 128)
 times = []
 with torch.no_grad():
-    for _ in range(3):
+    for _ in range({calls}):
         start = time.perf_counter()
         model(**inputs)
         times.append(time.perf_counter() - start)
@@ -106,19 +108,23 @@ print(json.dumps(times))
 """
 
 
-SIDES = {"builtin": "built-in", "ours": "ours, timing its choices", "ours_stored": "ours, choices stored"}
+SIDES = {"builtin": "built-in", "ours": "ours, timing its choices", "ours_proxies": "ours, timing on proxies",
+         "ours_stored": "ours, choices stored"}  # fmt: skip
+CALLS = 12
 
 
 def _child(code: str, side: str, store: str) -> list[float]:
-    """The three timed first forwards of one fresh process; `store`: its ROFORMER_ROPE_CACHE folder."""
+    """The timed first forwards of one fresh process; `store`: its ROFORMER_ROPE_CACHE folder."""
     env = {**os.environ, "ROFORMER_ROPE_CACHE": store}
+    if side == "ours_proxies":
+        env["ROFORMER_ROPE_CALIBRATE_ON_CALLS"] = "0"
     model = "builtin" if side == "builtin" else "ours"
     out = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_first_forward(layers: int, processes: int = 3) -> Section:
-    code = CHILD.format(bench=str(Path(__file__).parent), layers=layers, threads=torch.get_num_threads())
+    code = CHILD.format(bench=str(Path(__file__).parent), layers=layers, threads=torch.get_num_threads(), calls=CALLS)
     times: dict[str, list[list[float]]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as stored:
         _child(code, "ours", stored)  # an earlier process on this machine, which stores its choices
@@ -126,24 +132,30 @@ def run_first_forward(layers: int, processes: int = 3) -> Section:
             for side in times:  # alternating, each in a fresh process
                 with tempfile.TemporaryDirectory() as empty:
                     times[side].append(_child(code, side, stored if side == "ours_stored" else empty))
-    medians = {side: [statistics.median(run[i] for run in runs) for i in range(3)] for side, runs in times.items()}
-    rows = [[f"call {i + 1}", fmt_ms(medians["builtin"][i]), fmt_ms(medians["ours"][i]),
-             f"{medians['builtin'][i] / medians['ours'][i]:.2f}×", fmt_ms(medians["ours_stored"][i]),
-             f"{medians['builtin'][i] / medians['ours_stored'][i]:.2f}×"] for i in range(3)]  # fmt: skip
-    print("first forwards 1×128 (built-in / ours / ours with stored choices): "
-          + "; ".join(f"{r[0]} {r[1]} / {r[2]} / {r[4]} ms" for r in rows), flush=True)  # fmt: skip
+    medians = {side: [statistics.median(run[i] for run in runs) for i in range(CALLS)] for side, runs in times.items()}
+    rows = [[f"call {i + 1}", fmt_ms(medians["builtin"][i])]
+            + [cell for side in ("ours", "ours_proxies", "ours_stored")
+               for cell in (fmt_ms(medians[side][i]), f"{medians['builtin'][i] / medians[side][i]:.2f}×")]
+            for i in range(CALLS)]  # fmt: skip
+    print("first forwards 1×128 (built-in / ours / ours timed on proxies / ours with stored choices): "
+          + "; ".join(f"{r[0]} {r[1]} / {r[2]} / {r[4]} / {r[6]} ms" for r in rows), flush=True)  # fmt: skip
     method = (
         f"Encoder forward {shape_name(1, 128)}, fp32, {layers} layers, in a fresh process per side ({processes} "
-        "processes each, alternating; medians): call 1 includes our one-time calibration of each shape class it "
-        "meets, unless an earlier process on this machine stored its choices (`ROFORMER_ROPE_CACHE`, "
+        f"processes each, alternating; medians of each of the first {CALLS} calls). Ours with nothing stored "
+        "times its choices: the attention's and any class above 256 rows on proxies before the first call, each "
+        "inference linear class of ≤ 256 rows on its own real calls (one candidate per call; 12 calls per forward "
+        "at 12 layers), packing weights from their second call or once timing chose a pack. \"timed on "
+        "proxies\" times every class before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`). \"stored "
+        "choices\" reads what an earlier process on this machine timed (`ROFORMER_ROPE_CACHE`, "
         "`modeling_roformer_rope/stored_choices_roformer_rope.py`; one earlier process stores them before the "
-        "runs), call 2 packs weights where packing was measured faster, call 3 is the steady state. "
-        "`ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration."
+        "runs). `ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration."
     )
-    headers = ["call", "built-in ms", "ours ms", "built-in / ours", "ours, stored choices ms", "built-in / ours (stored)"]
+    headers = ["call", "built-in ms", "ours ms", "built-in / ours", "ours, timed on proxies ms",
+               "built-in / ours (proxies)", "ours, stored choices ms", "built-in / ours (stored)"]  # fmt: skip
     return Section("first_forward", "First forwards of a fresh process", method, headers, rows, None,
                    {"rows": [{"call": i + 1, "builtin_s": medians["builtin"][i], "ours_s": medians["ours"][i],
-                              "ours_stored_s": medians["ours_stored"][i]} for i in range(3)],
+                              "ours_proxies_s": medians["ours_proxies"][i], "ours_stored_s": medians["ours_stored"][i]}
+                             for i in range(CALLS)],
                     "times": times})  # fmt: skip
 
 

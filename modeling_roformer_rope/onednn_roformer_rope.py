@@ -30,12 +30,14 @@ Switches: `ROFORMER_ROPE_ONEDNN=0` turns off every oneDNN path, `=1` uses it whe
 measuring (unset or `auto`: measure); `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1|auto` does the same for the attention
 kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length limit (default 384 keys);
 `ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory: ~2.2× each weight packed
-for MKL, ~1× for oneDNN).
+for MKL, ~1× for oneDNN); `ROFORMER_ROPE_CALIBRATE_ON_CALLS=0` times every inference linear class on proxies before
+its first call instead of on its real calls (`_TimedLinear`).
 """
 
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,9 +46,29 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUActivation
 
-from .calibration_roformer_rope import choose, force_default, forced, measured, memo, row_bucket
+from .calibration_roformer_rope import (
+    choose,
+    force_default,
+    forced,
+    measured,
+    memo,
+    pending,
+    row_bucket,
+    run_timed,
+    trial_state,
+)
+from .prepack_roformer_rope import (
+    adopt,
+    forget,
+    packed_linear,
+    packed_weight,
+    proxy_gemm,
+    proxy_pack,
+    rows_changed,
+    trial_linear,
+    trial_pack,
+)
 from .prepack_roformer_rope import available as packing_available
-from .prepack_roformer_rope import forget, packed_linear, packed_weight, proxy_gemm, proxy_pack, rows_changed
 from .rotary_roformer_rope import apply_rotary_real, per_head, rotate_pairs, rotate_pairs_
 
 logger = logging.getLogger(__name__)
@@ -93,6 +115,8 @@ class Settings:
     onednn_attention: str = "auto"  # our blocked attention kernel where it applies: "auto" | "on" | "off"
     onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
     pack: str = "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
+    # "off": every inference linear class is timed on proxies before its first call, never on its real calls
+    calibrate_on_calls: str = "auto"
 
     @property
     def onednn_attention_enabled(self) -> bool:
@@ -105,6 +129,7 @@ def read_settings() -> Settings:
         onednn_attention=_env_mode("ROFORMER_ROPE_ONEDNN_ATTENTION"),
         onednn_attention_min_keys=_env_int("ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS", 384),
         pack=_env_mode("ROFORMER_ROPE_PACK"),
+        calibrate_on_calls=_env_mode("ROFORMER_ROPE_CALIBRATE_ON_CALLS"),
     )
 
 
@@ -444,10 +469,13 @@ def _autocast_to_bf16(x: torch.Tensor) -> bool:
     )
 
 
+def _linear_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return ("linear", str(x.dtype), weight.shape[1], weight.shape[0], row_bucket(x.numel() // x.shape[-1]))
+
+
 def _forward_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """oneDNN or `F.linear` for this GEMM's shape class, measured once (see `calibration_roformer_rope.py`)."""
-    rows = x.numel() // x.shape[-1]
-    key = ("linear", str(x.dtype), weight.shape[1], weight.shape[0], row_bucket(rows))
+    key = _linear_key(x, weight)
 
     def candidates():
         proxy = x.detach().reshape(-1, x.shape[-1])[:_PROXY_ROWS].contiguous()  # (≤ 256, I)
@@ -553,9 +581,14 @@ MKL_OR_ONEDNN = "mkl_or_onednn"
 
 
 def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, traced: bool):
-    """(the faster unpacked GEMM, the pack kind that beats it or None) for x2d's shape class, each measured once."""
-    gemm = _unpacked_gemm(x2d, weight, bias, onednn)
+    """(the faster unpacked GEMM, the pack kind that beats it or None) for x2d's shape class, each measured once;
+    (a `_TimedLinear`, None) while the class is timed on its real calls."""
     mkl, dnn = _packing_applies(x2d, weight, traced), _onednn_packing_applies(x2d, weight, onednn)
+    if _on_calls(x2d, traced):
+        timed = _TimedLinear(onednn, mkl, dnn)
+        if timed.open_decision(x2d, weight) is not None:
+            return timed, None
+    gemm = _unpacked_gemm(x2d, weight, bias, onednn)
     if not (mkl or dnn):
         return gemm, None
     kind = _PACK_KIND[_packed_choice(x2d, weight, bias, gemm, mkl, dnn)]
@@ -564,6 +597,115 @@ def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         if times.get("onednn_packed", float("inf")) < times.get("unpacked", 0.0):
             return gemm, MKL_OR_ONEDNN
     return gemm, kind
+
+
+def _on_calls(x2d: torch.Tensor, traced: bool) -> bool:
+    """Whether x2d's linear decisions are timed on its real calls (`_TimedLinear`) rather than on proxies: float32
+    inference in eager mode on at most _PROXY_ROWS rows, where the proxy would be the whole problem anyway (on more
+    rows a proxy call is cheaper than a real one, and its candidates' times are what a real call's would be).
+    Not under `torch.use_deterministic_algorithms(True)`: while a class is timed, two calls on the same input may run
+    two kernels, whose results differ in the last bits; timed on proxies, a class runs its choice from its first call."""
+    return (
+        settings.calibrate_on_calls != "off"
+        and x2d.dtype == torch.float32
+        and 0 < x2d.shape[0] <= _PROXY_ROWS
+        and not traced
+        and not torch.is_grad_enabled()
+        and not torch.are_deterministic_algorithms_enabled()
+    )
+
+
+_GEMMS = ("onednn", "torch")
+# A packed candidate is timed on one weight of its class, the first it meets (its trial weight): timing it on every
+# weight would pack each of them, and a pack costs about half a 128-row GEMM on a 2-core Zen 1 EPYC (4.5 ms), wasted
+# where packing loses; the other weights' calls run unpacked while the rounds wait for it. By decision key:
+# {pack kind: [trial weight ref, its pack, calls of the class since it last ran]}. The winner's pack is kept as its
+# weight's once the class is decided (`_keep_trial_packs`); the others are dropped then.
+_trial_packs: dict[tuple, dict] = trial_state()
+# calls of a class without its trial weight before the current weight takes its place (the model it belonged to may
+# have gone out of use)
+_TRIAL_PATIENCE = 64
+
+
+def _trial_pack(key: tuple, weight: torch.Tensor, kind: str, rows: int):
+    """The pack of `kind` that a packed candidate of decision `key` is timed with on this call of `weight`
+    (`trial_pack`, kept in `_trial_packs`), or None where `weight` is not the class's trial weight for `kind`."""
+    made = _trial_packs.setdefault(key, {})
+    entry = made.get(kind)
+    trial = None if entry is None else entry[0]()
+    if trial is not None and trial is not weight and entry[2] < _TRIAL_PATIENCE:
+        entry[2] += 1
+        return None
+    pack = trial_pack(weight, kind, rows, entry[1] if trial is weight else None)
+    made[kind] = [weakref.ref(weight), pack, 0]
+    return pack
+
+
+def _keep_trial_packs(key: tuple, kinds) -> None:
+    """Decision `key` is made: its trial packs of `kinds` become their weights' packs (`adopt`), the rest are dropped."""
+    for kind, (ref, pack, _) in _trial_packs.pop(key, {}).items():
+        if kind in kinds and ref() is not None:
+            adopt(ref(), kind, pack)
+
+
+class _TimedLinear:
+    """The GEMM of an inference linear class whose decisions are timed on its real calls (`calibration_roformer_rope.
+    run_timed`): first oneDNN against `F.linear` (`linear`), then that winner against the packs that apply
+    (`linear_packed`), each call running one candidate on its real input. Once both are decided, calls run the
+    class's plan (`_decide_inference`). A 12-layer model meets each class 12 times per forward, so a class is decided
+    within its first forward or two, and the slower candidates cost only their extra time on a few calls: on a 2-core
+    Zen 1 EPYC the first 1×128 forward of a fresh process took ~0.4 s instead of ~1.2 s."""
+
+    def __init__(self, onednn: bool, mkl: bool, dnn: bool):
+        self.onednn, self.mkl, self.dnn = onednn, mkl, dnn
+
+    def _pack_paths(self) -> tuple[str, ...]:
+        return ("unpacked",) + ("packed",) * self.mkl + ("onednn_packed",) * self.dnn
+
+    def open_decision(self, x2d: torch.Tensor, weight: torch.Tensor) -> tuple | None:
+        """The key of the first decision of x2d's class still open, or None (each `pending` only where it applies)."""
+        key = _linear_key(x2d, weight)
+        if self.onednn and pending(key, _GEMMS):
+            return key
+        key = _packed_key(x2d, weight)
+        if (self.mkl or self.dnn) and pending(key, self._pack_paths()):
+            return key
+        return None
+
+    def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided."""
+        key = self.open_decision(x2d, weight)
+        if key is None:  # decided on proxies meanwhile (a training call of the class): its trial packs are not needed
+            _trial_packs.pop(_packed_key(x2d, weight), None)
+            return _run_plan(x2d, weight, bias, *_decide_inference(x2d, weight, bias, self.onednn, False))
+        if key[0] == "linear":
+            return run_timed(key, {"onednn": lambda: functools.partial(_mm, x2d, weight, bias),
+                                   "torch": lambda: functools.partial(F.linear, x2d, weight, bias)})  # fmt: skip
+        gemm = _unpacked_gemm(x2d, weight, bias, self.onednn)  # decided above
+        unpacked = functools.partial(gemm, x2d, weight, bias)
+        candidates = {"unpacked": lambda: unpacked}
+        for path, kind, applies in (("packed", "mkl", self.mkl), ("onednn_packed", "onednn", self.dnn)):
+            if applies:
+                candidates[path] = functools.partial(_trial_call, key, x2d, weight, bias, kind, gemm)
+        y = run_timed(key, candidates, unpacked)
+        if not pending(key, candidates):
+            self.keep_packs(key, x2d, weight, bias)
+        return y
+
+    def keep_packs(self, key: tuple, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep the packs made for timing whose kind the decided plan uses as their weights' packs."""
+        kind = _decide_inference(x2d, weight, bias, self.onednn, False)[1]
+        _keep_trial_packs(key, {"mkl", "onednn"} if kind == MKL_OR_ONEDNN else {kind})
+
+
+def _trial_call(key: tuple, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, gemm):
+    """The preparation of a packed candidate timed on a real call: the trial weight's pack of `kind`, made untimed
+    (`_trial_pack`; None on another weight's call); then the GEMM on it (the unpacked one for a weight that cannot
+    be packed: an inference tensor, which `packed_weight` never packs either)."""
+    if weight.is_inference():
+        return functools.partial(gemm, x2d, weight, bias)
+    pack = _trial_pack(key, weight, kind, x2d.shape[0])
+    return None if pack is None else functools.partial(trial_linear, x2d, pack, weight, bias, kind)
 
 
 # `_decide_inference`'s answers, by everything they depend on: deciding again walks five checks and two lookups,
@@ -786,6 +928,50 @@ def native_gelu_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+_GELU_PATHS = ("fused", "separate", "separate_native", "fused_packed")
+
+
+def _gelu_key(x2d: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return ("linear_gelu", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
+
+
+def _timed_linear_gelu(key: tuple, x: torch.Tensor, x2d: torch.Tensor, producer: nn.Module, act_fn: nn.Module, dnn):
+    """act_fn(producer(x)) (..., O) while its `linear_gelu` class is timed on its real calls (`_on_calls`): each
+    call on one of `_GELU_PATHS` (`dnn`: the weight can have a oneDNN pack), once the producer's own GEMM class is
+    decided (until then "separate", which times it)."""
+    weight, bias = producer.weight, producer.bias
+    plan = _fast_inference_plan(x2d, weight, bias)
+    if plan is not None and isinstance(plan[0], _TimedLinear):
+        return activation(act_fn, producer(x), producer)
+    shape = (*x.shape[:-1], producer.out_features)
+
+    def fused_packed():
+        if weight.is_inference():  # never packed (`packed_weight`)
+            return fused
+        pack = _trial_pack(key, weight, "onednn", x2d.shape[0])
+        if pack is None:  # timed on another weight of the class
+            return None
+        return lambda: _LINEAR_POINTWISE(x2d, pack.packed, bias, "gelu", [], "none").view(shape)
+
+    def fused():
+        return _LINEAR_POINTWISE(x2d, weight, bias, "gelu", [], "none").view(shape)
+
+    def separate():
+        return activation(act_fn, producer(x), producer)
+
+    candidates = {
+        "fused": lambda: fused,
+        "separate": lambda: separate,
+        "separate_native": lambda: lambda: native_gelu_(producer(x)),
+    }
+    if dnn:
+        candidates["fused_packed"] = fused_packed
+    y = run_timed(key, candidates, separate)
+    if not pending(key, candidates):
+        _keep_trial_packs(key, {"onednn"} if _gelu_epilogue_choice(x2d, weight, bias) == "fused_packed" else set())
+    return y
+
+
 def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """GELU in oneDNN's GEMM epilogue ("fused", or "fused_packed" on the weight's oneDNN pack) or the GEMM then an
     in-place GELU ("separate", or "separate_native" on torch's own GELU kernel: `native_gelu_`), measured: the
@@ -795,7 +981,7 @@ def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.T
     dnn = _onednn_packing_applies(x2d, weight, True)
     if forced("linear_gelu") == "fused_packed" and not dnn:
         return "fused"
-    key = ("linear_gelu", str(x2d.dtype), weight.shape[1], weight.shape[0], row_bucket(x2d.shape[0]))
+    key = _gelu_key(x2d, weight)
 
     def candidates():
         proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
@@ -832,6 +1018,11 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
         and _onednn_applies(x, producer.weight)
     ):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
+        if _on_calls(x2d, False):
+            key = _gelu_key(x2d, producer.weight)
+            dnn = _onednn_packing_applies(x2d, producer.weight, True)
+            if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]):
+                return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
         choice = _gelu_epilogue_choice(x2d, producer.weight, producer.bias)
         if choice == "separate_native":
             return native_gelu_(producer(x))  # may modify: checked above

@@ -166,6 +166,33 @@ def make_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> torch
     return _ops(kind)[0](weight, rows) if kind == "mkl" else _ops(kind)[0](weight)
 
 
+def trial_pack(weight: torch.Tensor, kind: str, rows: int, earlier: _Pack | None = None) -> _Pack | None:
+    """For timing a packed candidate on a real call (`calibration_roformer_rope.run_timed`): the weight's current
+    pack of `kind` (MKL: for `rows` rows), else `earlier` (a trial pack of this weight from an earlier call), if
+    either still fits the weight; else a new one that nobody holds but the caller, who hands it to `adopt` if the
+    candidate wins. None where the weight cannot be packed (an inference tensor)."""
+    key, weight = weight, weight.detach()
+    if weight.is_inference():
+        return None
+    rows, state = rows if kind == "mkl" else None, _state(weight)
+    for pack in (_packs.get(key, {}).get(kind), earlier):
+        if pack is not None and pack.rows == rows and pack.state == state and torch.equal(_sample(weight), pack.sample):
+            return pack
+    return _Pack(weight, rows, state, kind)
+
+
+def adopt(weight: torch.Tensor, kind: str, pack: _Pack) -> None:
+    """Keep `pack` (from `trial_pack`) as the weight's pack of `kind`: used from its next call on, as if made there
+    (`packed_weight` checks it against the weight first, like any pack)."""
+    _packs.setdefault(weight, {})[kind] = pack
+    _previous.setdefault(weight, {})[kind] = (pack.rows, pack.state)
+
+
+def trial_linear(x2d: torch.Tensor, pack: _Pack, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    """x2d (N, I) · weightᵀ + bias → (N, O) from a `trial_pack` of `kind`."""
+    return _ops(kind)[1](x2d, pack.packed, weight.detach(), bias, x2d.shape[0])  # (N, O)
+
+
 def proxy_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> Callable[[], torch.Tensor]:
     """For calibration candidates: a callable returning a pack of `weight` (MKL: for `rows` rows), made on its first
     call (the warm-up call, which `calibration_roformer_rope.choose` does not time), and making on every call the
@@ -192,5 +219,5 @@ def proxy_gemm(
     return lambda: compute(proxy, pack(), weight, bias, rows)  # (R, O)
 
 
-__all__ = ["KINDS", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight", "proxy_gemm",
-           "proxy_pack", "rows_changed"]
+__all__ = ["KINDS", "adopt", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight",
+           "proxy_gemm", "proxy_pack", "rows_changed", "trial_linear", "trial_pack"]

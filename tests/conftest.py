@@ -1,5 +1,6 @@
 """Shared fixtures: tiny configs and randomised built-in RoFormer models (the independent oracle)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -163,6 +164,15 @@ def assert_bf16_autocast_mlm_step_matches_builtin() -> None:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+@pytest.fixture
+def on_proxies(monkeypatch):
+    """Every inference linear class decided on proxies before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`),
+    not over its real calls: for tests of what a decided plan does from its first call on."""
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    monkeypatch.setattr(fast, "settings", dataclasses.replace(fast.settings, calibrate_on_calls="off"))
 
 
 def probe_json(code: str, **env: str) -> dict:

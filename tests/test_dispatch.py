@@ -303,6 +303,7 @@ def test_a_decided_class_costs_a_lookup_and_forced_paths_are_checked_once(forced
 
 
 @needs_onednn
+@pytest.mark.usefixtures("on_proxies")
 def test_decode_steps_get_their_own_gemm_classes(forced):
     """A one-row decode GEMM is not decided by its prompt's: prompt rows and a single row fall in other buckets."""
     assert [calibration.row_bucket(n) for n in (1, 2, 4, 5, 16, 17, 64, 65, 300, 5000)] == [
@@ -317,6 +318,7 @@ def test_decode_steps_get_their_own_gemm_classes(forced):
 
 
 @needs_onednn
+@pytest.mark.usefixtures("on_proxies")
 @pytest.mark.parametrize("pack", ["packed", "onednn_packed", "unpacked"])
 def test_the_fast_inference_plan_is_the_whole_paths(forced, pack):
     """`linear` without autograd looks its plan up by a short key: for every row class and weight layout it is the

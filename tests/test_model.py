@@ -252,7 +252,10 @@ def test_a_config_with_return_dict_false_gets_tuples_from_every_head(head):
         model.config.return_dict = False
         got = model(inputs)
     assert type(got) is tuple and len(got) == len(want)
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    # the same computation; not asked to be bit-equal: a class timed on its real calls may run two kernels in two
+    # calls, and even with every class decided before the first call two calls differed in the last bits once in a
+    # while (the BLAS/oneDNN kernels do not promise the same bits from one call to the next)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
 def test_gradient_checkpointing_gives_same_gradients():

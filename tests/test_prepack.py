@@ -15,7 +15,12 @@ from modeling_roformer_rope import onednn_roformer_rope as fast
 from modeling_roformer_rope import prepack_roformer_rope as prepack
 from roformer_rope.conversion.from_transformers import convert_model
 
-pytestmark = pytest.mark.skipif(not prepack.available(), reason="this torch build has no MKL packed GEMM")
+# what a decided plan does with packs from its first call on: its classes decided on proxies (the packs made while a
+# class is timed on its real calls: tests/test_calibrate_on_calls.py)
+pytestmark = [
+    pytest.mark.skipif(not prepack.available(), reason="this torch build has no MKL packed GEMM"),
+    pytest.mark.usefixtures("on_proxies"),
+]
 
 
 @pytest.fixture
@@ -160,7 +165,7 @@ def test_environment_switches_packing(value, expected):
         "d = [x['class'][0] for x in c.decisions()]\n"
         "print(json.dumps({'ok': ok, 'packed': p.pack_rows(l.weight), 'measured': 'linear_packed' in d}))"
     )
-    out = probe_json(probe, ROFORMER_ROPE_PACK=value)
+    out = probe_json(probe, ROFORMER_ROPE_PACK=value, ROFORMER_ROPE_CALIBRATE_ON_CALLS="0")
     assert out["ok"]
     if expected == "off":
         assert out == {"ok": True, "packed": None, "measured": False}

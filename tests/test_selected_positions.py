@@ -62,7 +62,9 @@ def test_sparse_mlm_equals_the_builtin_on_the_labelled_rows(attn):
     torch.testing.assert_close(reduced.logits, expected.logits[keep], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reduced.logits, full.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reduced.loss, expected.loss, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(flat, reduced.logits, atol=0, rtol=0)  # the same path (no autograd) as `reduced`
+    # the same path (no autograd) as `reduced`, up to the kernel a class being timed runs (and see test_model.py's
+    # test_a_config_with_return_dict_false_gets_tuples_from_every_head: last bits may differ between calls)
+    torch.testing.assert_close(flat, reduced.logits, atol=1e-6, rtol=1e-6)
 
 
 def test_sparse_mlm_training_gradients_equal_the_builtin_s():

@@ -1,0 +1,222 @@
+"""Inference linear classes timed on their real calls (`calibration_roformer_rope.run_timed`, `onednn_roformer_rope.
+_TimedLinear`): each call runs one candidate and returns its result, the rounds are those timed on proxies, and the
+model's outputs equal the built-in's on every call, while a class is timed and after."""
+
+import pytest
+import torch
+
+from conftest import builtin_model, padded_batch, probe_json
+from modeling_roformer_rope import calibration_roformer_rope as calibration
+from modeling_roformer_rope import onednn_roformer_rope as fast
+from modeling_roformer_rope import prepack_roformer_rope as prepack
+from roformer_rope.conversion.from_transformers import convert_model
+
+needs_onednn = pytest.mark.skipif(fast._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
+LINEAR_KINDS = ("linear", "linear_packed", "linear_gelu")
+
+
+class Clock:
+    """A fake `time.perf_counter` that candidates advance by their cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def candidate(self, name: str, seconds: float, ran: list):
+        def call():
+            self.now += seconds
+            ran.append(name)
+            return name
+
+        return call
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(calibration.time, "perf_counter", fake)
+    calibration.reset()
+    yield fake
+    calibration.reset()
+
+
+@pytest.mark.parametrize("costs", [{"fast": 1.0, "slow": 2.0}, {"a": 1.0, "b": 1.05, "c": 1.01, "far": 9.0}])
+def test_each_call_runs_one_candidate_and_the_rounds_are_the_proxies(clock, costs):
+    """Every call runs exactly one candidate and returns its result; the preparation is not timed; the calls it
+    takes and the times kept are those `_time_interleaved` measures back to back; then every call runs the choice."""
+    key = ("linear", "test", 1, 2, 3)
+    proxy_ran: list[str] = []
+    expected = calibration._time_interleaved(
+        {name: clock.candidate(name, cost, proxy_ran) for name, cost in costs.items()}, key
+    )
+    ran: list[str] = []
+
+    def prepared(name, cost):
+        clock.now += 100.0  # e.g. making a pack: untimed
+        return clock.candidate(name, cost, ran)
+
+    candidates = {name: (lambda name=name, cost=cost: prepared(name, cost)) for name, cost in costs.items()}
+    results = []
+    while calibration.pending(key, candidates):
+        assert len(results) < 100
+        results.append(calibration.run_timed(key, candidates))
+    assert results == ran[: len(results)]  # each call returned what the one candidate it ran returned
+    # the deciding call runs the choice too: one call more than the proxies' candidate runs
+    assert ran[:-1] == proxy_ran and len(results) == len(proxy_ran) + 1
+    assert calibration.measured(key) == pytest.approx(expected)
+    choice = min(costs, key=costs.get)
+    assert ran[-1] == choice and calibration.choose(key, candidates) == choice
+    assert [calibration.run_timed(key, candidates) for _ in range(3)] == [choice] * 3
+    assert not calibration._trials
+
+
+def test_a_candidate_that_cannot_run_is_dropped_and_the_call_still_answers(clock):
+    key = ("linear", "test", 4, 5, 6)
+    ran: list[str] = []
+
+    def broken():
+        raise RuntimeError("no kernel for this CPU")
+
+    candidates = {"broken": lambda: broken, "works": lambda: clock.candidate("works", 1.0, ran)}
+    assert calibration.run_timed(key, candidates) == "works"  # the broken one was first
+    while calibration.pending(key, candidates):
+        assert calibration.run_timed(key, candidates) == "works"
+    assert calibration.decisions() == [{"class": list(key), "choice": "works", "ms": {"works": 1000.0}}]
+
+
+def test_a_candidate_timed_on_some_calls_only_lets_the_others_run_otherwise(clock):
+    """A candidate whose preparation returns None (a packed candidate on a weight other than its trial weight) is not
+    timed on that call: the call runs `otherwise`, and the rounds go on where they were."""
+    key = ("linear", "test", 10, 11, 12)
+    ran: list[str] = []
+    calls = {"n": 0}
+
+    def picky():  # can be timed on every third call only
+        calls["n"] += 1
+        return clock.candidate("picky", 1.0, ran) if calls["n"] % 3 == 0 else None
+
+    candidates = {"any": lambda: clock.candidate("any", 2.0, ran), "picky": picky}
+    results = []
+    while calibration.pending(key, candidates):
+        results.append(calibration.run_timed(key, candidates, otherwise=lambda: "otherwise"))
+    assert ran[:6] == ["any", "picky"] * 3 and "otherwise" in results  # warm-up and two timed rounds each
+    assert [r for r in results if r != "otherwise"] == ran
+    assert calibration.measured(key) == {"any": 2.0, "picky": 1.0}
+    calls["n"] = 1  # the choice can run on this call only through `otherwise`
+    assert calibration.run_timed(key, candidates, otherwise=lambda: "otherwise") == "otherwise"
+
+
+def test_a_class_decided_on_proxies_meanwhile_ends_its_rounds(clock):
+    """A training call decides the class on proxies while inference calls were timing it: the rounds stop."""
+    key = ("linear", "test", 7, 8, 9)
+    ran: list[str] = []
+    real = {name: (lambda name=name: clock.candidate(name, 1.0, ran)) for name in ("a", "b")}
+    calibration.run_timed(key, real)
+    assert key in calibration._trials
+    chosen = calibration.choose(key, {name: clock.candidate(name, cost, []) for name, cost in (("a", 2.0), ("b", 1.0))})
+    assert chosen == "b" and key not in calibration._trials and not calibration.pending(key, real)
+    assert [calibration.run_timed(key, real) for _ in range(2)] == ["b", "b"]
+
+
+@needs_onednn
+@torch.no_grad()
+def test_a_model_times_its_linear_classes_on_its_real_calls_and_equals_the_builtin(monkeypatch):
+    """Nothing of a linear class is timed on proxies at ≤ 256 rows; every forward, while classes are timed and after,
+    equals the built-in's; each class ends decided with every candidate timed; packs made to time a candidate stay
+    only on weights whose plan uses their kind."""
+    for kind in calibration.KINDS:
+        monkeypatch.setitem(calibration._forced, kind, None)  # measured, whatever the environment forces
+    calibration.reset()
+    on_proxies, packed = [], []
+    inner = calibration._time_interleaved
+    monkeypatch.setattr(calibration, "_time_interleaved", lambda c, key: on_proxies.append(key) or inner(c, key))
+    trial = fast._trial_pack
+
+    def trial_pack(key, weight, kind, rows):
+        made = trial(key, weight, kind, rows)
+        if made is not None:
+            packed.append((key, kind, id(weight)))
+        return made
+
+    monkeypatch.setattr(fast, "_trial_pack", trial_pack)
+    builtin = builtin_model("RoFormerModel", hidden_size=64, intermediate_size=96, num_hidden_layers=3)
+    ours = convert_model(builtin).eval()
+    batch = padded_batch(seq_len=20)
+    valid = batch["attention_mask"].bool()
+    expected = builtin(**batch).last_hidden_state[valid]
+    forwards = 0
+    while calibration._trials or forwards == 0:
+        assert forwards < 60, calibration._trials
+        torch.testing.assert_close(ours(**batch).last_hidden_state[valid], expected, atol=1e-5, rtol=1e-5)
+        forwards += 1
+    assert forwards > 1  # 3 layers: a class needs more than one forward's calls
+    torch.testing.assert_close(ours(**batch).last_hidden_state[valid], expected, atol=1e-5, rtol=1e-5)
+    assert not [key for key in on_proxies if key[0] in LINEAR_KINDS]
+    trial_weights: dict[tuple, set] = {}
+    for key, kind, weight in packed:
+        trial_weights.setdefault((key, kind), set()).add(weight)
+    assert packed and all(len(weights) == 1 for weights in trial_weights.values())  # one weight packed to time a kind
+    made = {tuple(d["class"]): d for d in calibration.decisions()}
+    x, weight = torch.ones(40, 64), ours.layers[0].attention.qkv.weight
+    linear = [key for key in made if key[0] == "linear"]
+    assert {(key[2], key[3]) for key in linear} == {(64, 192), (64, 64), (64, 96), (96, 64)}
+    assert all(set(made[key]["ms"]) == {"onednn", "torch"} for key in linear)
+    packs = {"unpacked"} | ({"packed"} if fast._packing_applies(x, weight) else set())
+    packs |= {"onednn_packed"} if fast._onednn_packing_applies(x, weight, True) else set()
+    if len(packs) > 1:
+        assert {key for key in made if key[0] == "linear_packed"} == {("linear_packed", *key[1:]) for key in linear}
+        assert all(set(made[key]["ms"]) == packs for key in made if key[0] == "linear_packed")
+    (gelu,) = [key for key in made if key[0] == "linear_gelu"]
+    gelu_paths = {"fused", "separate", "separate_native"} | ({"fused_packed"} if "onednn_packed" in packs else set())
+    assert set(made[gelu]["ms"]) == gelu_paths
+    assert not fast._trial_packs
+    for name, param in ours.named_parameters():
+        if param.dim() == 2 and "embed" not in name:
+            rows = torch.ones(40, param.shape[1])
+            gemm, kind = fast._inference_choice(rows, param, None)
+            uses = {"mkl", "onednn"} if kind == fast.MKL_OR_ONEDNN else {kind}
+            if "mlp.up_proj" in name:  # the GELU path may pack it for itself ("fused_packed")
+                uses.add("onednn")
+            assert set(prepack.pack_kinds(param)) <= uses, (name, kind, prepack.pack_kinds(param))
+
+
+@needs_onednn
+@pytest.mark.parametrize("value", ["0", ""])
+def test_the_environment_switches_timing_on_real_calls_off(value):
+    probe = (
+        "import json, torch; from modeling_roformer_rope import onednn_roformer_rope as f\n"
+        "from modeling_roformer_rope import calibration_roformer_rope as c\n"
+        "l = f.RoFormerRopeLinear(16, 8); x = torch.randn(4, 16)\n"
+        "with torch.no_grad(): y = l(x)\n"
+        "ok = torch.allclose(y, torch.nn.functional.linear(x, l.weight, l.bias), atol=1e-6)\n"
+        "print(json.dumps({'ok': ok, 'decided': sorted(d['class'][0] for d in c.decisions()),\n"
+        "                  'timing': sorted(k[0] for k in c._trials)}))"
+    )
+    out = probe_json(probe, ROFORMER_ROPE_CALIBRATE_ON_CALLS=value)
+    assert out["ok"]
+    if value == "0":  # decided on proxies before the first call
+        assert "linear" in out["decided"] and out["timing"] == []
+    else:  # one call: the first candidate's warm-up, nothing decided yet
+        assert out == {"ok": True, "decided": [], "timing": ["linear"]}
+
+
+@needs_onednn
+@torch.no_grad()
+def test_deterministic_algorithms_time_on_proxies_so_repeated_calls_are_bit_equal(monkeypatch):
+    """Under `torch.use_deterministic_algorithms(True)` no class is timed on its real calls (two of them could run two
+    kernels): every call of a class runs its choice, so the same input gives the same bits."""
+    for kind in calibration.KINDS:
+        monkeypatch.setitem(calibration._forced, kind, None)
+    calibration.reset()
+    layer = fast.RoFormerRopeLinear(48, 40)
+    x = torch.randn(16, 48)
+    torch.use_deterministic_algorithms(True)
+    try:
+        outputs = [layer(x) for _ in range(8)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not calibration._trials and not fast._trial_packs
+    assert ("linear", "torch.float32", 48, 40, 16) in {tuple(d["class"]) for d in calibration.decisions()}
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
