@@ -633,7 +633,10 @@ def _trial_pack(key: tuple, weight: torch.Tensor, kind: str, rows: int):
     made = _trial_packs.setdefault(key, {})
     entry = made.get(kind)
     trial = None if entry is None else entry[0]()
-    if trial is not None and trial is not weight and entry[2] < _TRIAL_PATIENCE:
+    # an MKL pack serves one row count: timed again only at its rows (in a stream of varying lengths, packing the
+    # trial weight anew on each call would cost more than the timing saves; there the class runs `MKL_OR_ONEDNN`)
+    other = trial is not weight or (kind == "mkl" and entry[1].rows != rows)
+    if trial is not None and other and entry[2] < _TRIAL_PATIENCE:
         entry[2] += 1
         return None
     pack = trial_pack(weight, kind, rows, entry[1] if trial is weight else None)
