@@ -6,7 +6,8 @@ emulated (7× slower than float32) where the CPU has no bf16 instructions. So in
 the first call of a shape class times the candidates on a small slice of the real problem and keeps the
 faster (`choose`); later calls look the choice up. A class that recurs on small inputs (an inference linear on ≤ 256
 rows: every layer of a model runs it) is instead timed on its real calls, one candidate per call, whose result is
-the call's (`run_timed`): the same rounds, without the slices' extra work. The classes are coarse (the GEMM's inner and outer
+the call's (`run_timed`): the same rounds, without the slices' extra work, on calls of one size (a stream of varying
+lengths falls back to the slices: `stalled`). The classes are coarse (the GEMM's inner and outer
 sizes and a row bucket; the attention's dtype and key-length bucket), so a model calibrates a handful of
 them per row bucket, each in 2-70 ms on a 2-core Cascade Lake (~0.7 s over a 4-layer model's first forwards at 1,
 16, 128 and 4×512 tokens: `python bench/experiments.py --only calibration_cost`). The choices are kept on disk for
@@ -149,7 +150,9 @@ class _Rounds:
     wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
     on Sapphire Rapids between GEMMs 6-18% apart); the best of the rounds drops the interruptions."""
 
-    def __init__(self, names):
+    def __init__(self, names, size=None):
+        self.size = size  # the problem size its calls are timed at (`run_timed`)
+        self.misses = 0  # calls of another size, not timed
         self.order = list(names)
         self.best = dict.fromkeys(self.order, float("inf"))
         self.beaten: set[str] = set()
@@ -231,6 +234,8 @@ def choose(key: tuple, candidates: Candidates | Callable[[], Candidates]) -> str
                 times = _time_interleaved(candidates, key)
             _decide(key, times, "measured")
         if _trials.pop(key, None) is not None:  # decided here while its real calls were being timed (`run_timed`)
+            for state in _trial_states:
+                state.pop(key, None)
             _forget_derived()  # a caller's plan that was timing this class gives way to one for the choice
         choice = _choices[key]
     return choice
@@ -281,9 +286,21 @@ def pending(key: tuple, names) -> bool:
     return not _take_stored(key, names)
 
 
-def run_timed(key: tuple, candidates: dict[str, Callable[[], Callable[[], object] | None]], otherwise=None):
+# Calls of another size than the rounds' before a class gives up timing on its real calls (`stalled`): in a stream of
+# varying lengths, a 12-layer model's one sentence gives 12 calls of one size, and the next sentence another.
+STALL = 32
+
+
+def run_timed(
+    key: tuple, candidates: dict[str, Callable[[], Callable[[], object] | None]], otherwise=None, size=None
+):
     """Run this call of key's shape class on one candidate and return its result: the next candidate of key's
     interleaved rounds, timed, or the choice once they are over (deciding it then, as `choose` would have).
+
+    `size`: the call's problem size (its rows). A shape class spans sizes (a row bucket), and candidates timed on
+    calls of different sizes would not compare, so the rounds time calls of the first call's size only; a call of
+    another size runs `otherwise()`, untimed, and after STALL of them the caller decides the class on proxies
+    (`stalled`).
 
     Each candidate is a preparation run untimed (making a weight's pack, say) that returns the timed call, or None
     when the candidate cannot be timed on this call (it is timed on one weight of the class only): this call then
@@ -293,7 +310,10 @@ def run_timed(key: tuple, candidates: dict[str, Callable[[], Callable[[], object
     if choice is None:
         rounds = _trials.get(key)
         if rounds is None:
-            rounds = _trials[key] = _Rounds(candidates)
+            rounds = _trials[key] = _Rounds(candidates, size)
+        if size != rounds.size:
+            rounds.misses += 1
+            return otherwise()
         while (name := rounds.next()) is not None:
             if name not in candidates:  # a call of the class without this candidate (it cannot run here)
                 rounds.record(name, None)
@@ -315,6 +335,12 @@ def run_timed(key: tuple, candidates: dict[str, Callable[[], Callable[[], object
         _forget_derived()  # a caller's plan that was timing this class gives way to one for the choice
     call = candidates[choice]()
     return otherwise() if call is None else call()
+
+
+def stalled(key: tuple) -> bool:
+    """Whether key's rounds on real calls have met STALL calls of other sizes: decide it on proxies (`choose`)."""
+    rounds = _trials.get(key)
+    return rounds is not None and rounds.misses >= STALL
 
 
 def measured(key: tuple) -> dict[str, float] | None:
@@ -355,5 +381,5 @@ def length_bucket(length: int) -> int:
 
 __all__ = [
     "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo",
-    "pending", "reset", "row_bucket", "run_timed", "trial_state",
+    "pending", "reset", "row_bucket", "run_timed", "stalled", "trial_state",
 ]  # fmt: skip

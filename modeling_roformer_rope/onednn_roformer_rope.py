@@ -55,6 +55,7 @@ from .calibration_roformer_rope import (
     pending,
     row_bucket,
     run_timed,
+    stalled,
     trial_state,
 )
 from .prepack_roformer_rope import (
@@ -633,10 +634,7 @@ def _trial_pack(key: tuple, weight: torch.Tensor, kind: str, rows: int):
     made = _trial_packs.setdefault(key, {})
     entry = made.get(kind)
     trial = None if entry is None else entry[0]()
-    # an MKL pack serves one row count: timed again only at its rows (in a stream of varying lengths, packing the
-    # trial weight anew on each call would cost more than the timing saves; there the class runs `MKL_OR_ONEDNN`)
-    other = trial is not weight or (kind == "mkl" and entry[1].rows != rows)
-    if trial is not None and other and entry[2] < _TRIAL_PATIENCE:
+    if trial is not None and trial is not weight and entry[2] < _TRIAL_PATIENCE:
         entry[2] += 1
         return None
     pack = trial_pack(weight, kind, rows, entry[1] if trial is weight else None)
@@ -681,16 +679,24 @@ class _TimedLinear:
         if key is None:  # decided on proxies meanwhile (a training call of the class): its trial packs are not needed
             _trial_packs.pop(_packed_key(x2d, weight), None)
             return _run_plan(x2d, weight, bias, *_decide_inference(x2d, weight, bias, self.onednn, False))
+        rows = x2d.shape[0]
+        if stalled(key):  # a stream of varying sizes: decide the class on proxies now, then run its next decision
+            if key[0] == "linear":
+                _forward_choice(x2d, weight, bias)
+            else:
+                _packed_choice(x2d, weight, bias, _unpacked_gemm(x2d, weight, bias, self.onednn), self.mkl, self.dnn)
+            return self(x2d, weight, bias)
         if key[0] == "linear":
             return run_timed(key, {"onednn": lambda: functools.partial(_mm, x2d, weight, bias),
-                                   "torch": lambda: functools.partial(F.linear, x2d, weight, bias)})  # fmt: skip
+                                   "torch": lambda: functools.partial(F.linear, x2d, weight, bias)},
+                             functools.partial(F.linear, x2d, weight, bias), rows)  # fmt: skip
         gemm = _unpacked_gemm(x2d, weight, bias, self.onednn)  # decided above
         unpacked = functools.partial(gemm, x2d, weight, bias)
         candidates = {"unpacked": lambda: unpacked}
         for path, kind, applies in (("packed", "mkl", self.mkl), ("onednn_packed", "onednn", self.dnn)):
             if applies:
                 candidates[path] = functools.partial(_trial_call, key, x2d, weight, bias, kind, gemm)
-        y = run_timed(key, candidates, unpacked)
+        y = run_timed(key, candidates, unpacked, rows)
         if not pending(key, candidates):
             self.keep_packs(key, x2d, weight, bias)
         return y
@@ -969,7 +975,7 @@ def _timed_linear_gelu(key: tuple, x: torch.Tensor, x2d: torch.Tensor, producer:
     }
     if dnn:
         candidates["fused_packed"] = fused_packed
-    y = run_timed(key, candidates, separate)
+    y = run_timed(key, candidates, separate, x2d.shape[0])
     if not pending(key, candidates):
         _keep_trial_packs(key, {"onednn"} if _gelu_epilogue_choice(x2d, weight, bias) == "fused_packed" else set())
     return y
@@ -1024,7 +1030,7 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
         if _on_calls(x2d, False):
             key = _gelu_key(x2d, producer.weight)
             dnn = _onednn_packing_applies(x2d, producer.weight, True)
-            if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]):
+            if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and not stalled(key):
                 return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
         choice = _gelu_epilogue_choice(x2d, producer.weight, producer.bias)
         if choice == "separate_native":

@@ -108,6 +108,38 @@ def test_a_candidate_timed_on_some_calls_only_lets_the_others_run_otherwise(cloc
     assert calibration.run_timed(key, candidates, otherwise=lambda: "otherwise") == "otherwise"
 
 
+def test_calls_of_another_size_are_not_timed_and_a_stream_of_them_stalls_the_rounds(clock):
+    """Candidates timed on calls of different sizes would not compare: only calls of the first call's size are
+    timed; the others run `otherwise`, and after STALL of them the class is left to the proxies."""
+    key = ("linear", "test", 13, 14, 15)
+    ran: list[str] = []
+    candidates = {"a": lambda: clock.candidate("a", 1.0, ran), "b": lambda: clock.candidate("b", 2.0, ran)}
+    assert calibration.run_timed(key, candidates, lambda: "otherwise", size=16) == "a"  # the rounds' size: 16
+    results = [calibration.run_timed(key, candidates, lambda: "otherwise", size=n) for n in (16, 20, 16, 9)]
+    assert results == ["b", "otherwise", "a", "otherwise"] and ran == ["a", "b", "a"]
+    assert not calibration.stalled(key)
+    for _ in range(calibration.STALL):
+        assert calibration.run_timed(key, candidates, lambda: "otherwise", size=17) == "otherwise"
+    assert calibration.stalled(key) and calibration.pending(key, candidates)
+    assert calibration.choose(key, {"a": clock.candidate("a", 1.0, []), "b": clock.candidate("b", 2.0, [])}) == "a"
+    assert not calibration.stalled(key) and key not in calibration._trials
+
+
+@needs_onednn
+@torch.no_grad()
+def test_a_stream_of_varying_lengths_is_decided_on_proxies_and_equals_f_linear(monkeypatch):
+    for kind in calibration.KINDS:
+        monkeypatch.setitem(calibration._forced, kind, None)
+    calibration.reset()
+    layer = fast.RoFormerRopeLinear(48, 40)
+    torch.manual_seed(0)
+    for rows in [17 + (7 * i) % 48 for i in range(4 * calibration.STALL)]:  # 17-64 rows: one row bucket
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    made = {tuple(d["class"])[0] for d in calibration.decisions()}
+    assert "linear" in made and not calibration._trials and not fast._trial_packs
+
+
 def test_a_class_decided_on_proxies_meanwhile_ends_its_rounds(clock):
     """A training call decides the class on proxies while inference calls were timing it: the rounds stop."""
     key = ("linear", "test", 7, 8, 9)
