@@ -22,6 +22,7 @@ run every path this way).
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,7 @@ _forced: dict[str, str | None] = {}
 _checked: set[tuple] = set()  # (key, forced path) pairs known to name a candidate
 _from_store: set[tuple] = set()  # keys whose choice was read from disk (`stored_choices_roformer_rope.py`)
 _trials: dict[tuple, "_Rounds"] = {}  # classes being timed on their real calls (`run_timed`)
+_lock = threading.Lock()  # their rounds' bookkeeping, when several threads call one class
 KINDS = (
     "linear", "linear_backward", "linear_gelu", "linear_packed", "linear_emulated", "attention", "attention_dropout",
     "attention_exp", "sdpa_layout",
@@ -163,7 +165,7 @@ class _Rounds:
     def next(self) -> str | None:
         """The candidate to run next, or None once the decision is made (`best` then holds the times)."""
         while not self.done:
-            if self.position == len(self.order):
+            if self.position >= len(self.order):
                 self._end_round()
                 continue
             name = self.order[self.position]
@@ -176,7 +178,7 @@ class _Rounds:
         """`name` ran in `seconds` (None: it could not run here, e.g. oneDNN has no bf16 kernel for this CPU)."""
         if seconds is None:
             self.best.pop(name, None)
-        elif self.round:
+        elif self.round and name in self.best:
             self.best[name] = min(self.best[name], seconds)
         self.position += 1
 
@@ -233,10 +235,7 @@ def choose(key: tuple, candidates: Candidates | Callable[[], Candidates]) -> str
             with torch.no_grad():
                 times = _time_interleaved(candidates, key)
             _decide(key, times, "measured")
-        if _trials.pop(key, None) is not None:  # decided here while its real calls were being timed (`run_timed`)
-            for state in _trial_states:
-                state.pop(key, None)
-            _forget_derived()  # a caller's plan that was timing this class gives way to one for the choice
+        _end_trial(key)  # if its real calls were being timed (`run_timed`)
         choice = _choices[key]
     return choice
 
@@ -268,7 +267,17 @@ def _take_stored(key: tuple, names) -> bool:
         return False
     _decide(key, kept[1], "stored", kept[0])
     _from_store.add(key)
+    _end_trial(key)  # another process (a DeepSpeed rank) stored it while this one timed its real calls
     return True
+
+
+def _end_trial(key: tuple, states: bool = True) -> None:
+    """key is decided: drop its rounds on real calls and (`states`) what callers kept for them (`trial_state`), and
+    the plans that were timing it give way to ones for the choice."""
+    if _trials.pop(key, None) is not None:
+        for state in _trial_states if states else ():
+            state.pop(key, None)
+        _forget_derived()
 
 
 # Timing on the real calls. A shape class recurs: a 12-layer model runs each of its four linear classes 12 times per
@@ -308,16 +317,21 @@ def run_timed(
     one that raises RuntimeError is dropped and the next one runs."""
     choice = _forced.get(key[0]) or _choices.get(key)
     if choice is None:
-        rounds = _trials.get(key)
-        if rounds is None:
-            rounds = _trials[key] = _Rounds(candidates, size)
+        with _lock:
+            rounds = _trials.get(key)
+            if rounds is None:
+                rounds = _trials[key] = _Rounds(candidates, size)
         if size != rounds.size:
             rounds.misses += 1
             return otherwise()
-        while (name := rounds.next()) is not None:
-            if name not in candidates:  # a call of the class without this candidate (it cannot run here)
-                rounds.record(name, None)
-                continue
+        while True:
+            with _lock:  # threads calling one class share its rounds: one takes each step (the GEMMs run outside)
+                name = rounds.next()
+                if name is None:
+                    break
+                if name not in candidates:  # a call of the class without this candidate (it cannot run here)
+                    rounds.record(name, None)
+                    continue
             call = candidates[name]()
             if call is None:
                 return otherwise()
@@ -326,13 +340,15 @@ def run_timed(
                 result = call()
             except RuntimeError as error:
                 logger.debug("roformer_rope dispatch: %s: %s unavailable (%s)", key, name, str(error)[:80])
-                rounds.record(name, None)
+                with _lock:
+                    rounds.record(name, None)
                 continue
-            rounds.record(name, time.perf_counter() - start)
+            with _lock:
+                rounds.record(name, time.perf_counter() - start)
             return result
-        _trials.pop(key, None)  # (another thread's call may have ended the same rounds a moment earlier)
-        choice = _decide(key, rounds.best, "measured on real calls")
-        _forget_derived()  # a caller's plan that was timing this class gives way to one for the choice
+        with _lock:
+            choice = _choices.get(key) or _decide(key, rounds.best, "measured on real calls")
+        _end_trial(key, states=False)  # the caller keeps what it made for the winner (`trial_state`), drops the rest
     call = candidates[choice]()
     return otherwise() if call is None else call()
 

@@ -605,7 +605,8 @@ def _on_calls(x2d: torch.Tensor, traced: bool) -> bool:
     inference in eager mode on at most _PROXY_ROWS rows, where the proxy would be the whole problem anyway (on more
     rows a proxy call is cheaper than a real one, and its candidates' times are what a real call's would be).
     Not under `torch.use_deterministic_algorithms(True)`: while a class is timed, two calls on the same input may run
-    two kernels, whose results differ in the last bits; timed on proxies, a class runs its choice from its first call."""
+    two kernels, whose results differ in the last bits; timed on proxies, a class runs its choice from its first call
+    (a packed choice unpacked on that call: the pack is made on the second)."""
     return (
         settings.calibrate_on_calls != "off"
         and x2d.dtype == torch.float32
@@ -653,9 +654,10 @@ class _TimedLinear:
     """The GEMM of an inference linear class whose decisions are timed on its real calls (`calibration_roformer_rope.
     run_timed`): first oneDNN against `F.linear` (`linear`), then that winner against the packs that apply
     (`linear_packed`), each call running one candidate on its real input. Once both are decided, calls run the
-    class's plan (`_decide_inference`). A 12-layer model meets each class 12 times per forward, so a class is decided
-    within its first forward or two, and the slower candidates cost only their extra time on a few calls: on a 2-core
-    Zen 1 EPYC the first 1×128 forward of a fresh process took ~0.4 s instead of ~1.2 s."""
+    class's plan (`_decide_inference`). A 12-layer model meets each class 12 times per forward, so `linear` is
+    decided within its first forward; the packed candidates run on one trial weight each, once per forward, so
+    `linear_packed` takes 3-6 forwards more. The slower candidates cost only their extra time on a few calls: on a
+    2-core Zen 1 EPYC the first 1×128 forward of a fresh 12-layer model took ~0.43 s instead of ~1.26 s."""
 
     def __init__(self, onednn: bool, mkl: bool, dnn: bool):
         self.onednn, self.mkl, self.dnn = onednn, mkl, dnn
@@ -676,16 +678,13 @@ class _TimedLinear:
     def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided."""
         key = self.open_decision(x2d, weight)
-        if key is None:  # decided on proxies meanwhile (a training call of the class): its trial packs are not needed
-            _trial_packs.pop(_packed_key(x2d, weight), None)
+        if key is None:  # decided meanwhile by another way (a choice another process stored, a thread's call)
             return _run_plan(x2d, weight, bias, *_decide_inference(x2d, weight, bias, self.onednn, False))
         rows = x2d.shape[0]
-        if stalled(key):  # a stream of varying sizes: decide the class on proxies now, then run its next decision
-            if key[0] == "linear":
-                _forward_choice(x2d, weight, bias)
-            else:
-                _packed_choice(x2d, weight, bias, _unpacked_gemm(x2d, weight, bias, self.onednn), self.mkl, self.dnn)
-            return self(x2d, weight, bias)
+        # a stream of varying sizes, or deterministic algorithms switched on since this plan was made
+        if stalled(key) or not _on_calls(x2d, False):
+            self.decide_on_proxies(x2d, weight, bias)
+            return _run_plan(x2d, weight, bias, *_decide_inference(x2d, weight, bias, self.onednn, False))
         if key[0] == "linear":
             return run_timed(key, {"onednn": lambda: functools.partial(_mm, x2d, weight, bias),
                                    "torch": lambda: functools.partial(F.linear, x2d, weight, bias)},
@@ -701,6 +700,15 @@ class _TimedLinear:
             self.keep_packs(key, x2d, weight, bias)
         return y
 
+    def decide_on_proxies(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Decide the class's open decisions on proxies now (`choose`; it ends their rounds on real calls)."""
+        while (key := self.open_decision(x2d, weight)) is not None:
+            if key[0] == "linear":
+                _forward_choice(x2d, weight, bias)
+            else:
+                _packed_choice(x2d, weight, bias, _unpacked_gemm(x2d, weight, bias, self.onednn), self.mkl, self.dnn)
+        _plans.clear()  # this plan, remembered for the class, gives way to its choice's
+
     def keep_packs(self, key: tuple, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Keep the packs made for timing whose kind the decided plan uses as their weights' packs."""
         kind = _decide_inference(x2d, weight, bias, self.onednn, False)[1]
@@ -709,10 +717,10 @@ class _TimedLinear:
 
 def _trial_call(key: tuple, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, gemm):
     """The preparation of a packed candidate timed on a real call: the trial weight's pack of `kind`, made untimed
-    (`_trial_pack`; None on another weight's call); then the GEMM on it (the unpacked one for a weight that cannot
-    be packed: an inference tensor, which `packed_weight` never packs either)."""
+    (`_trial_pack`); then the GEMM on it. None on another weight's call, and on an inference tensor, which
+    `packed_weight` never packs (a class of such weights only stalls, and is decided on proxies)."""
     if weight.is_inference():
-        return functools.partial(gemm, x2d, weight, bias)
+        return None
     pack = _trial_pack(key, weight, kind, x2d.shape[0])
     return None if pack is None else functools.partial(trial_linear, x2d, pack, weight, bias, kind)
 
@@ -806,6 +814,9 @@ def _proxy_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """A callable running on x2d's first rows the GEMM `_inference_linear` would choose for x2d's shape class."""
     proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
     gemm, kind = _inference_choice(x2d, weight, bias)
+    if isinstance(gemm, _TimedLinear):  # timing on proxies must not step the class's rounds on real calls
+        gemm.decide_on_proxies(x2d, weight, bias)
+        gemm, kind = _inference_choice(x2d, weight, bias)
     kind = "mkl" if kind == MKL_OR_ONEDNN else kind  # the proxy's row count repeats
     return proxy_gemm(proxy.contiguous(), weight, bias, kind) if kind else lambda: gemm(proxy, weight, bias)
 
@@ -955,8 +966,8 @@ def _timed_linear_gelu(key: tuple, x: torch.Tensor, x2d: torch.Tensor, producer:
     shape = (*x.shape[:-1], producer.out_features)
 
     def fused_packed():
-        if weight.is_inference():  # never packed (`packed_weight`)
-            return fused
+        if weight.is_inference():  # never packed (`packed_weight`): not timed on its calls
+            return None
         pack = _trial_pack(key, weight, "onednn", x2d.shape[0])
         if pack is None:  # timed on another weight of the class
             return None
