@@ -831,6 +831,8 @@ def linear(
     if not torch.is_grad_enabled():
         plan = _fast_inference_plan(x, weight, bias)
         if plan is not None:
+            if plan[0] is F.linear and plan[1] is None:  # F.linear flattens x itself: no reshape and view here
+                return F.linear(x, weight, bias)
             return _run_plan(x.reshape(-1, x.shape[-1]), weight, bias, *plan).view(*x.shape[:-1], weight.shape[0])
     if weight.dim() == 2 and x.dim() > 0 and x.shape[-1] != weight.shape[1]:
         return F.linear(x, weight, bias)  # its error names both shapes (calibrating them failed with "no candidate")
@@ -939,12 +941,14 @@ def native_gelu_(x: torch.Tensor) -> torch.Tensor:
     its own kernel on a non-contiguous view, here of the same memory. Both are the erf form, within 1.2e-6."""
     if not x.is_contiguous():
         return torch.ops.aten.gelu_(x)  # aten's own kernel already
-    flat = x.view(-1)  # (n,)
-    even = flat.numel() // 2 * 2
-    if even:
-        torch.ops.aten.gelu_(flat[:even].view(2, -1).t())  # (even/2, 2) view of x's memory, strides (1, even/2)
-    if even < flat.numel():
-        torch.ops.aten.gelu_(flat[even:])  # the odd one out: oneDNN takes only more than one element
+    n = x.numel()
+    half = n // 2
+    if half:
+        # (n/2, 2) view of x's first 2·(n/2) elements, strides (1, n/2): not contiguous, so aten's own kernel, which
+        # walks it as one run of memory. One view op (a few µs each on a slow core, a decode step's concern).
+        torch.ops.aten.gelu_(x.as_strided((half, 2), (1, half)))
+    if n % 2:
+        torch.ops.aten.gelu_(x.view(-1)[-1:])  # the odd one out: oneDNN takes only more than one element
     return x
 
 
@@ -988,20 +992,25 @@ def _timed_linear_gelu(key: tuple, x: torch.Tensor, x2d: torch.Tensor, producer:
         candidates["fused_packed"] = fused_packed
     y = run_timed(key, candidates, separate, x2d.shape[0])
     if not pending(key, candidates):
-        _keep_trial_packs(key, {"onednn"} if _gelu_epilogue_choice(x2d, weight, bias) == "fused_packed" else set())
+        _keep_trial_packs(key, {"onednn"} if _gelu_epilogue_choice(x2d, weight, bias, key, dnn) == "fused_packed" else set())
     return y
 
 
-def _gelu_epilogue_choice(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+def _gelu_epilogue_choice(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: tuple | None = None, dnn: bool | None = None
+) -> str:
     """GELU in oneDNN's GEMM epilogue ("fused", or "fused_packed" on the weight's oneDNN pack) or the GEMM then an
     in-place GELU ("separate", or "separate_native" on torch's own GELU kernel: `native_gelu_`), measured: the
     epilogue saves a pass over the (N, O) output with one thread and loses with two on Sapphire Rapids, and oneDNN's
     GELU costs a fixed ~20 µs more per call than torch's, a decode step's share of a layer on small models. A forced
-    "fused_packed" runs "fused" where packing does not apply."""
-    dnn = _onednn_packing_applies(x2d, weight, True)
+    "fused_packed" runs "fused" where packing does not apply. `key` (`_gelu_key`) and `dnn`
+    (`_onednn_packing_applies`): if the caller has them already."""
+    if dnn is None:
+        dnn = _onednn_packing_applies(x2d, weight, True)
     if forced("linear_gelu") == "fused_packed" and not dnn:
         return "fused"
-    key = _gelu_key(x2d, weight)
+    if key is None:
+        key = _gelu_key(x2d, weight)
 
     def candidates():
         proxy = x2d[:_PROXY_ROWS]  # (≤ 256, I)
@@ -1031,29 +1040,29 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
     """act_fn(producer(x)). At CPU inference with exact GELU, where `producer`'s output cannot be seen by a hook,
     the GELU may run inside oneDNN's GEMM (erf form, as F.gelu) or on torch's own GELU kernel (`native_gelu_`) when
     that measures faster on this CPU (`_gelu_epilogue_choice`)."""
-    if (
-        isinstance(producer, RoFormerRopeLinear)
-        and _exact_gelu(act_fn)
-        and may_modify_in_place(producer, act_fn)
-        and _onednn_applies(x, producer.weight)
-    ):
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
-        if _on_calls(x2d, False):
-            key = _gelu_key(x2d, producer.weight)
-            dnn = _onednn_packing_applies(x2d, producer.weight, True)
-            if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and not stalled(key):
-                return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
-        choice = _gelu_epilogue_choice(x2d, producer.weight, producer.bias)
-        if choice == "separate_native":
-            return native_gelu_(producer(x))  # may modify: checked above
-        if choice != "separate":
-            weight = producer.weight
-            if choice == "fused_packed":  # the weight's oneDNN pack, once it has run twice (None before)
-                weight = packed_weight(producer.weight, x2d.shape[0], "onednn")
-                weight = producer.weight if weight is None else weight
-            out = _LINEAR_POINTWISE(x2d, weight, producer.bias, "gelu", [], "none")  # (N, O)
-            return out.view(*x.shape[:-1], producer.out_features)
-    return activation(act_fn, producer(x), producer)
+    if not (isinstance(producer, RoFormerRopeLinear) and _exact_gelu(act_fn)) or torch.is_grad_enabled():
+        return activation(act_fn, producer(x), producer)
+    traced = tracing()  # once: `may_modify_in_place` and `_onednn_applies` would each ask (a decode step's µs)
+    if traced or hooked(producer, act_fn) or not _onednn_applies(x, producer.weight, traced):
+        return activation(act_fn, producer(x), producer)
+    # Inference, eager, no hook: producer's output may change in place, and its forward runs without __call__.
+    weight, bias = producer.weight, producer.bias
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
+    key = _gelu_key(x2d, weight)
+    dnn = _onednn_packing_applies(x2d, weight, True)
+    # decided (the steady state) first: one dict lookup in `pending`
+    if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and _on_calls(x2d, False) and not stalled(key):
+        return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
+    choice = _gelu_epilogue_choice(x2d, weight, bias, key, dnn)
+    if choice == "separate_native":
+        return native_gelu_(producer.forward(x))
+    if choice == "separate":
+        return torch.ops.aten.gelu_(producer.forward(x))
+    if choice == "fused_packed":  # the weight's oneDNN pack, once it has run twice (None before)
+        pack = packed_weight(weight, x2d.shape[0], "onednn")
+        weight = weight if pack is None else pack
+    out = _LINEAR_POINTWISE(x2d, weight, bias, "gelu", [], "none")  # (N, O)
+    return out.view(*x.shape[:-1], producer.out_features)
 
 
 __all__ = [

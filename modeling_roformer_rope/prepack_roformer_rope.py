@@ -94,12 +94,22 @@ def available(kind: str = "mkl") -> bool:
 
 
 def _sample(weight: torch.Tensor) -> torch.Tensor:
-    flat = weight.reshape(-1)  # (O·I,) view
-    return flat[:: max(1, flat.numel() // _SAMPLES)]  # (≈ 61,) strided view
+    """Every (O·I / _SAMPLES)-th element of `weight`, (≈ 61,): a strided view (a copy for a non-contiguous weight)."""
+    numel = weight.numel()
+    step = max(1, numel // _SAMPLES)
+    if weight.is_contiguous():  # one view op, not two: every packed call takes a sample (µs count on a decode step)
+        return weight.as_strided((-(-numel // step),), (step,))  # (⌈O·I / step⌉,) from weight's storage offset
+    return weight.reshape(-1)[::step]
 
 
 def _state(weight: torch.Tensor) -> tuple:
     return weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride()
+
+
+def _fits(pack: "_Pack", weight: torch.Tensor, state: tuple) -> bool:
+    """Whether `pack` was made from `weight` as it is now (`state`: `_state(weight)`): same version, memory and
+    layout, and the same sampled values (an in-place change through `.data` keeps the version counter)."""
+    return pack.state == state and torch.equal(_sample(weight), pack.sample)
 
 
 def packed_weight(weight: torch.Tensor, rows: int, kind: str = "mkl"):
@@ -112,7 +122,7 @@ def packed_weight(weight: torch.Tensor, rows: int, kind: str = "mkl"):
     rows, state = rows if kind == "mkl" else None, _state(weight)
     packs = _packs.get(key)
     pack = None if packs is None else packs.get(kind)
-    if pack is not None and (pack.state != state or not torch.equal(_sample(weight), pack.sample)):
+    if pack is not None and not _fits(pack, weight, state):
         _packs.pop(key, None)  # the weight changed (in place, new storage, or through `.data`): free its stale packs now
         _previous.pop(key, None)
         pack = None
@@ -176,7 +186,7 @@ def trial_pack(weight: torch.Tensor, kind: str, rows: int, earlier: _Pack | None
         return None
     rows, state = rows if kind == "mkl" else None, _state(weight)
     for pack in (_packs.get(key, {}).get(kind), earlier):
-        if pack is not None and pack.rows == rows and pack.state == state and torch.equal(_sample(weight), pack.sample):
+        if pack is not None and pack.rows == rows and _fits(pack, weight, state):
             return pack
     return _Pack(weight, rows, state, kind)
 
@@ -189,8 +199,12 @@ def adopt(weight: torch.Tensor, kind: str, pack: _Pack) -> None:
 
 
 def trial_linear(x2d: torch.Tensor, pack: _Pack, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-    """x2d (N, I) · weightᵀ + bias → (N, O) from a `trial_pack` of `kind`."""
-    return _ops(kind)[1](x2d, pack.packed, weight.detach(), bias, x2d.shape[0])  # (N, O)
+    """x2d (N, I) · weightᵀ + bias → (N, O) from a `trial_pack` of `kind`, making first the checks `packed_weight`
+    makes before it uses a pack, so that they are timed too: at one row they cost several times the GEMM on a slow
+    core, and a pack timed without them won classes it then lost."""
+    weight = weight.detach()
+    _fits(pack, weight, _state(weight))
+    return _ops(kind)[1](x2d, pack.packed, weight, bias, x2d.shape[0])  # (N, O)
 
 
 def proxy_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> Callable[[], torch.Tensor]:
@@ -203,7 +217,7 @@ def proxy_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> Call
         if not made:
             made.append((make_pack(weight, kind, rows), _sample(weight).clone()))
         packed, sample = made[0]
-        _state(weight), torch.equal(_sample(weight), sample)
+        _state(weight), torch.equal(_sample(weight), sample)  # as `_fits`
         return packed
 
     return get

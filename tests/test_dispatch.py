@@ -366,6 +366,20 @@ def test_native_gelu_is_torchs_own_kernel_in_place(shape):
     torch.testing.assert_close(x, expected, atol=0, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")
+@pytest.mark.parametrize("numel", [3072, 7])
+def test_native_gelu_in_place_on_a_tensor_at_an_offset_into_its_storage(numel):
+    """Only the tensor's own elements change, however far into its storage it starts."""
+    storage = 3 * torch.randn(numel + 5)
+    x = storage[3 : 3 + numel]  # (numel,) contiguous, storage offset 3
+    with torch.backends.mkldnn.flags(enabled=False):
+        expected = torch.nn.functional.gelu(x)
+    before = storage.clone()
+    fast.native_gelu_(x)
+    torch.testing.assert_close(x, expected, atol=0, rtol=0)
+    assert torch.equal(storage[:3], before[:3]) and torch.equal(storage[3 + numel :], before[3 + numel :])
+
+
 def test_a_forced_path_must_exist(forced):
     forced(sdpa_layout="dense")
     q, k, v = _fused_views(1, 600)

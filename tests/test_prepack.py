@@ -79,6 +79,45 @@ def test_a_changed_weight_is_never_computed_from_a_stale_pack(packing, change):
     assert prepack.pack_rows(layer.weight) == 16 and len(packing) == 3
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(40, 48),
+        lambda: torch.randn(50, 48)[7:47],  # contiguous, at an offset into its storage
+        lambda: torch.randn(48, 40).t(),  # not contiguous
+        lambda: torch.randn(3, 5),  # fewer elements than samples: every one
+    ],
+    ids=["plain", "offset", "transposed", "tiny"],
+)
+def test_the_sample_holds_every_step_th_element_of_the_weight(make):
+    """`_sample` (one view op for a contiguous weight) holds what the flat weight's every step-th element is."""
+    weight = make()
+    flat = weight.reshape(-1)
+    expected = flat[:: max(1, flat.numel() // prepack._SAMPLES)]
+    sample = prepack._sample(weight)
+    assert torch.equal(sample, expected) and sample.shape == expected.shape
+    if weight.is_contiguous():
+        weight.view(-1)[-1] += 1.0  # a view: it sees later changes (what `_fits` compares against its copy)
+        assert torch.equal(prepack._sample(weight), flat[:: max(1, flat.numel() // prepack._SAMPLES)])
+
+
+@torch.no_grad()
+def test_a_packed_candidate_timed_on_a_real_call_pays_the_checks_of_a_packed_call(monkeypatch):
+    """`trial_linear` checks the pack against its weight as `packed_weight` does on every packed call: the timing
+    that decides whether to pack includes what packing costs each call (at one row, several times the GEMM)."""
+    checked = []
+    fits = prepack._fits
+    monkeypatch.setattr(prepack, "_fits", lambda *args: checked.append(args[0]) or fits(*args))
+    layer = fast.RoFormerRopeLinear(48, 40)
+    x = torch.randn(3, 48)
+    for kind in [kind for kind in prepack.KINDS if prepack.available(kind)]:
+        pack = prepack.trial_pack(layer.weight, kind, 3)
+        checked.clear()
+        y = prepack.trial_linear(x, pack, layer.weight, layer.bias, kind)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert checked == [pack]
+
+
 def test_training_frees_packs_and_neither_training_nor_autocast_uses_them(packing):
     torch.manual_seed(0)
     layer = fast.RoFormerRopeLinear(48, 40)
