@@ -60,6 +60,7 @@ from .calibration_roformer_rope import (
 )
 from .prepack_roformer_rope import (
     adopt,
+    check,
     forget,
     packed_linear,
     packed_weight,
@@ -942,11 +943,15 @@ def native_gelu_(x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         return torch.ops.aten.gelu_(x)  # aten's own kernel already
     n = x.numel()
+    if n < 4:  # a (1, 2) view would count as contiguous: one element at a time (oneDNN takes only more than one)
+        flat = x.view(-1)  # (n,)
+        for i in range(n):
+            torch.ops.aten.gelu_(flat[i : i + 1])
+        return x
     half = n // 2
-    if half:
-        # (n/2, 2) view of x's first 2·(n/2) elements, strides (1, n/2): not contiguous, so aten's own kernel, which
-        # walks it as one run of memory. One view op (a few µs each on a slow core, a decode step's concern).
-        torch.ops.aten.gelu_(x.as_strided((half, 2), (1, half)))
+    # (n/2, 2) view of x's first 2·(n/2) elements, strides (1, n/2): not contiguous, so aten's own kernel, which walks
+    # it as one run of memory. One view op (a few µs each on a slow core, a decode step's concern).
+    torch.ops.aten.gelu_(x.as_strided((half, 2), (1, half)))
     if n % 2:
         torch.ops.aten.gelu_(x.view(-1)[-1:])  # the odd one out: oneDNN takes only more than one element
     return x
@@ -975,22 +980,21 @@ def _timed_linear_gelu(key: tuple, x: torch.Tensor, x2d: torch.Tensor, producer:
         pack = _trial_pack(key, weight, "onednn", x2d.shape[0])
         if pack is None:  # timed on another weight of the class
             return None
-        return lambda: _LINEAR_POINTWISE(x2d, pack.packed, bias, "gelu", [], "none").view(shape)
+        return lambda: check(pack, weight) or _LINEAR_POINTWISE(x2d, pack.packed, bias, "gelu", [], "none").view(shape)
 
     def fused():
         return _LINEAR_POINTWISE(x2d, weight, bias, "gelu", [], "none").view(shape)
 
-    def separate():
-        return activation(act_fn, producer(x), producer)
-
+    # each candidate as `linear_activation` runs it once decided (no hook, eager: checked by the caller)
+    project = _projection(producer)
     candidates = {
         "fused": lambda: fused,
-        "separate": lambda: separate,
-        "separate_native": lambda: lambda: native_gelu_(producer(x)),
+        "separate": lambda: lambda: torch.ops.aten.gelu_(project(x)),
+        "separate_native": lambda: lambda: native_gelu_(project(x)),
     }
     if dnn:
         candidates["fused_packed"] = fused_packed
-    y = run_timed(key, candidates, separate, x2d.shape[0])
+    y = run_timed(key, candidates, lambda: activation(act_fn, producer(x), producer), x2d.shape[0])
     if not pending(key, candidates):
         _keep_trial_packs(key, {"onednn"} if _gelu_epilogue_choice(x2d, weight, bias, key, dnn) == "fused_packed" else set())
     return y
@@ -1036,6 +1040,12 @@ def _gelu_epilogue_choice(
     return "fused" if choice == "fused_packed" and not dnn else choice
 
 
+def _projection(producer: nn.Module):
+    """The producer's forward itself, without `nn.Module.__call__` (a few µs a call on a slow core), for callers that
+    checked it has no hook; the module as is where it was compiled on its own (`producer.compile()`)."""
+    return producer.forward if getattr(producer, "_compiled_call_impl", None) is None else producer
+
+
 def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -> torch.Tensor:
     """act_fn(producer(x)). At CPU inference with exact GELU, where `producer`'s output cannot be seen by a hook,
     the GELU may run inside oneDNN's GEMM (erf form, as F.gelu) or on torch's own GELU kernel (`native_gelu_`) when
@@ -1055,9 +1065,9 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
         return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
     choice = _gelu_epilogue_choice(x2d, weight, bias, key, dnn)
     if choice == "separate_native":
-        return native_gelu_(producer.forward(x))
+        return native_gelu_(_projection(producer)(x))
     if choice == "separate":
-        return torch.ops.aten.gelu_(producer.forward(x))
+        return torch.ops.aten.gelu_(_projection(producer)(x))
     if choice == "fused_packed":  # the weight's oneDNN pack, once it has run twice (None before)
         pack = packed_weight(weight, x2d.shape[0], "onednn")
         weight = weight if pack is None else pack

@@ -198,13 +198,18 @@ def adopt(weight: torch.Tensor, kind: str, pack: _Pack) -> None:
     _previous.setdefault(weight, {})[kind] = (pack.rows, pack.state)
 
 
-def trial_linear(x2d: torch.Tensor, pack: _Pack, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-    """x2d (N, I) · weightᵀ + bias → (N, O) from a `trial_pack` of `kind`, making first the checks `packed_weight`
-    makes before it uses a pack, so that they are timed too: at one row they cost several times the GEMM on a slow
-    core, and a pack timed without them won classes it then lost."""
+def check(pack: _Pack, weight: torch.Tensor) -> None:
+    """The checks `packed_weight` makes on every call before it uses a pack (does it still fit the weight?), for a
+    candidate timed on a real call with a pack it holds itself: timed without them, at one row, where they cost
+    several times the GEMM on a slow core, packs won classes they then lost."""
     weight = weight.detach()
     _fits(pack, weight, _state(weight))
-    return _ops(kind)[1](x2d, pack.packed, weight, bias, x2d.shape[0])  # (N, O)
+
+
+def trial_linear(x2d: torch.Tensor, pack: _Pack, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    """x2d (N, I) · weightᵀ + bias → (N, O) from a `trial_pack` of `kind`, after the checks a packed call makes."""
+    check(pack, weight)
+    return _ops(kind)[1](x2d, pack.packed, weight.detach(), bias, x2d.shape[0])  # (N, O)
 
 
 def proxy_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> Callable[[], torch.Tensor]:
@@ -233,5 +238,5 @@ def proxy_gemm(
     return lambda: compute(proxy, pack(), weight, bias, rows)  # (R, O)
 
 
-__all__ = ["KINDS", "adopt", "available", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight",
+__all__ = ["KINDS", "adopt", "available", "check", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight",
            "proxy_gemm", "proxy_pack", "rows_changed", "trial_linear", "trial_pack"]

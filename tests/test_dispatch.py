@@ -354,7 +354,7 @@ def test_the_fast_inference_plan_is_the_whole_paths(forced, pack):
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration")  # torch.backends.mkldnn.flags() says it, on every CPU
-@pytest.mark.parametrize("shape", [(1, 3072), (5, 48), (3, 7), (1,), ()])
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 48), (3, 7), (1,), (), (2,), (1, 3), (4,), (0, 8)])
 def test_native_gelu_is_torchs_own_kernel_in_place(shape):
     """`native_gelu_` writes in place exactly what aten's own GELU kernel gives (oneDNN's is ≤1.2e-6 off)."""
     x = 3 * torch.randn(shape)
@@ -378,6 +378,31 @@ def test_native_gelu_in_place_on_a_tensor_at_an_offset_into_its_storage(numel):
     fast.native_gelu_(x)
     torch.testing.assert_close(x, expected, atol=0, rtol=0)
     assert torch.equal(storage[:3], before[:3]) and torch.equal(storage[3 + numel :], before[3 + numel :])
+
+
+@pytest.mark.parametrize("path", fast._GELU_PATHS)
+def test_every_gelu_path_equals_f_gelu_and_a_hook_still_sees_the_projection(forced, path):
+    """Each decided `linear_gelu` path, on calls that make and then use a pack, equals F.gelu(F.linear(...)); with a
+    hook on the projection, the module is called as a module (the hook sees its pre-GELU output)."""
+    from transformers.activations import ACT2FN
+
+    forced(linear_gelu=path)
+    torch.manual_seed(0)
+    producer = fast.RoFormerRopeLinear(48, 96)
+    x = torch.randn(2, 7, 48)
+    pre_gelu = torch.nn.functional.linear(x, producer.weight, producer.bias)  # (2, 7, 96)
+    expected = torch.nn.functional.gelu(pre_gelu)
+    with torch.no_grad():
+        for _ in range(3):  # a oneDNN pack is made on the second call and used on the third
+            torch.testing.assert_close(fast.linear_activation(x, producer, ACT2FN["gelu"]), expected)
+        seen = []
+        hook = producer.register_forward_hook(lambda m, i, o: seen.append(o.clone()))
+        try:
+            torch.testing.assert_close(fast.linear_activation(x, producer, ACT2FN["gelu"]), expected)
+        finally:
+            hook.remove()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], pre_gelu)
 
 
 def test_a_forced_path_must_exist(forced):
