@@ -29,7 +29,7 @@ Experiments
   ours computing every position in the last layer (without `selected_positions`).
 - decode_step: one greedy decode step (one token, KV cache) of the causal LM, built-in vs ours, against the time
   it takes to read every linear weight once at the float32 read bandwidth measured here; and ours with each linear
-  walking the whole dispatch path instead of looking its plan up. decode_step_narrow: the same at 64 wide
+  walking the whole dispatch path instead of looking its plan up; then every one-row linear decision it made. decode_step_narrow: the same at 64 wide
   (vocabulary 500), where a step is nothing but per-call overhead.
 - calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
   rounds vs stopped once settled (`calibration_roformer_rope._settled`): milliseconds spent, and what the choices
@@ -876,8 +876,10 @@ def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32
         print(f"  {name}: {1e3 * median:.2f} ms per step, weights at {weight_bytes / median / 1e9:.1f} GB/s")
     print(f"  built-in / ours: {medians['built-in'] / medians['ours']:.2f}×; whole dispatch path / ours: "
           f"{medians['ours, whole dispatch path'] / medians['ours']:.2f}×")
-    gelu = [d for d in calibration.decisions() if d["class"][0] == "linear_gelu" and d["class"][-1] == 1]
-    print(f"  the one-row up-projection + GELU decisions: {gelu}")
+    # every one-row decision (the GEMM, its pack, the up-projection + GELU): what a step's linears run
+    for decision in calibration.decisions():
+        if decision["class"][0] in ("linear", "linear_packed", "linear_gelu") and decision["class"][-1] == 1:
+            print(f"  one-row decision: {decision}")
 
 
 def attention_operands(reps: int, shapes) -> None:
