@@ -220,10 +220,9 @@ def proxy_pack(weight: torch.Tensor, kind: str, rows: int | None = None) -> Call
 
     def get() -> torch.Tensor:
         if not made:
-            made.append((make_pack(weight, kind, rows), _sample(weight).clone()))
-        packed, sample = made[0]
-        _state(weight), torch.equal(_sample(weight), sample)  # as `_fits`
-        return packed
+            made.append(_Pack(weight, rows, _state(weight), kind))
+        check(made[0], weight)
+        return made[0].packed
 
     return get
 
