@@ -16,7 +16,18 @@ import time
 from functools import partial
 
 import torch
-from common import Section, bar_plot, check_parity, fmt_ms, interleaved, isa_limits, make_pair, random_batch, shape_name
+from common import (
+    Section,
+    bar_plot,
+    check_parity,
+    fmt_ms,
+    interleaved,
+    isa_limits,
+    make_pair,
+    random_batch,
+    settle_note,
+    shape_name,
+)
 
 SHAPES = [(1, 128), (4, 512)]
 
@@ -77,6 +88,7 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
             ours_compiled_vs_builtin=timing.ratio("builtin", "ours_compiled"),
             ours_compiled_vs_ours=timing.ratio("ours", "ours_compiled"),
             builtin_compiled_vs_builtin=timing.ratio("builtin", "builtin_compiled"),
+            settle_rounds=timing.settle_rounds,
         )
         results.append(r)
         print(
@@ -123,6 +135,7 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
         f"default mode). Median of {reps} interleaved runs after compilation; compile time = first call per shape "
         "(seconds, built-in / ours). max |Δ| is the worst of eager-ours, compiled-ours and compiled-built-in vs the "
         "eager built-in."
+        + settle_note({shape_name(r["batch"], r["length"]): r["settle_rounds"] for r in results})
     )
     headers = [
         "B×T",

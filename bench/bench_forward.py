@@ -22,6 +22,7 @@ from common import (
     interleaved,
     make_pair,
     random_batch,
+    settle_note,
     shape_name,
 )
 
@@ -55,6 +56,7 @@ def run(layers: int, reps: int, shapes=SHAPES) -> list[Section]:
             ours_s=timing.median("ours"),
             speedup=timing.ratio("builtin", "ours"),
             times=timing.times,
+            settle_rounds=timing.settle_rounds,
         )
         results.append(row | floor_numbers(ours, batch, length, timing.median("gemm")))
         print(
@@ -99,6 +101,7 @@ def forward_section(results: list[dict], layers: int, reps: int, padded_diff: fl
         f"base width; median of {reps} interleaved runs after a warm-up that is also the parity check "
         f"(max |Δ| of `last_hidden_state`; a padded 2×64 batch also checked: {padded_diff:.1e}). "
         "Speed-up = median over rounds of built-in/ours."
+        + settle_note({shape_name(r["batch"], r["length"]): r["settle_rounds"] for r in results})
     )
     headers = ["B×T", "built-in ms", "ours ms", "speed-up", "goal", "max abs diff"]
     return Section("forward", "Forward latency (fp32)", method, headers, rows, plot, {"rows": results})

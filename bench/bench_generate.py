@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import Section, fmt_ms, goal_cell, interleaved, make_pair, shape_name
+from common import Section, fmt_ms, goal_cell, interleaved, make_pair, settle_note, shape_name
 
 NEW_TOKENS = 64
 PROMPTS = {"1×16": [16], "4×16 left-padded": [16, 12, 8, 5]}
@@ -75,7 +75,8 @@ def run_generation(layers: int, reps: int) -> Section:
         )
         row = dict(prompts=name, builtin_s=timing.median("builtin"), ours_s=timing.median("ours"),
                    static_s=timing.median("ours_static"), speedup=timing.ratio("builtin", "ours"),
-                   static_speedup=timing.ratio("builtin", "ours_static"), times=timing.times)  # fmt: skip
+                   static_speedup=timing.ratio("builtin", "ours_static"), times=timing.times,
+                   settle_rounds=timing.settle_rounds)  # fmt: skip
         data.append(row)
         rows.append([name, fmt_ms(row["builtin_s"]), fmt_ms(row["ours_s"]), f"{row['speedup']:.2f}×",
                      fmt_ms(row["static_s"]), f"{row['static_speedup']:.2f}×", goal_cell(min(row["speedup"], row["static_speedup"]), GOAL)])  # fmt: skip
@@ -85,6 +86,7 @@ def run_generation(layers: int, reps: int) -> Section:
         f"`generate()` greedy, {NEW_TOKENS} new tokens, KV cache, {layers} layers of base width with the LM head "
         "(vocab 50000), fp32; tokens checked identical to the built-in's first; median of "
         f"{reps} interleaved runs. Speed-up = median over rounds of built-in/ours."
+        + settle_note({row["prompts"]: row["settle_rounds"] for row in data})
     )
     headers = ["prompts", "built-in ms", "ours ms", "speed-up", "ours static cache ms", "speed-up (static)", "goal"]
     return Section("generate", "Greedy generation (fp32)", method, headers, rows, None, {"rows": data})

@@ -359,6 +359,14 @@ def stalled(key: tuple) -> bool:
     return rounds is not None and rounds.misses >= STALL
 
 
+def timing_on_calls() -> dict[tuple, tuple[int, int, int]]:
+    """The classes being timed on their real calls now (`run_timed`), each with how far its rounds got: (round,
+    candidate of the round, calls of another size). A benchmark warms up until these stop moving, so that its timed
+    calls run the choices rather than the rounds (`bench/common.py`, `interleaved`)."""
+    with _lock:
+        return {key: (rounds.round, rounds.position, rounds.misses) for key, rounds in _trials.items()}
+
+
 def measured(key: tuple) -> dict[str, float] | None:
     """The seconds each candidate of `key`'s decision took (this process's or the stored timing), None if forced or
     not decided."""

@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import common  # noqa: E402
@@ -103,3 +104,29 @@ def test_a_failed_run_does_not_replace_the_default_results_folder(monkeypatch, t
     assert run_all.main() == 1
     assert (tmp_path / "bench" / "results" / "some-cpu" / "quick-failed" / "README.md").exists()
     assert not (tmp_path / "bench" / "results" / "some-cpu" / "quick" / "README.md").exists()
+
+
+def test_interleaved_times_our_choices_not_the_rounds_on_real_calls(monkeypatch):
+    """`interleaved` warms up until every class the timed calls use is decided (`settle`), so the timed rounds run
+    the choices; a class of another shape, still open, is not waited for."""
+    from conftest import builtin_model, padded_batch
+    from modeling_roformer_rope import calibration_roformer_rope as calibration
+    from roformer_rope.conversion.from_transformers import convert_model
+
+    for kind in calibration.KINDS:
+        monkeypatch.setitem(calibration._forced, kind, None)  # measured, whatever the environment forces
+    calibration.reset()
+    builtin = builtin_model("RoFormerModel", hidden_size=64, intermediate_size=96, num_hidden_layers=3)
+    ours = convert_model(builtin).eval()
+    other = dict(input_ids=torch.tensor([[2, 5, 7]]))  # 3 rows: classes of another row bucket than the batch's 40
+    with torch.no_grad():
+        ours(**other)
+        elsewhere = calibration.timing_on_calls()
+        assert elsewhere  # its classes are timed on their real calls, one candidate per call
+        batch = padded_batch(seq_len=20)
+        timing = common.interleaved({"ours": lambda: ours(**batch), "builtin": lambda: builtin(**batch)}, reps=2)
+    assert 0 < timing.settle_rounds < common.SETTLE_LIMIT
+    assert calibration.timing_on_calls() == elsewhere  # the batch's classes decided; the 3-row ones untouched
+    decided = {tuple(d["class"]) for d in calibration.decisions()}
+    assert any(key[0] == "linear" and key[-1] == calibration.row_bucket(40) for key in decided), decided
+    calibration.reset()
