@@ -106,6 +106,9 @@ with torch.no_grad():
         start = time.perf_counter()
         model(**inputs)
         times.append(time.perf_counter() - start)
+    if sys.argv[2:] == ["settle"]:  # the process that stores choices for the next: until every class is decided
+        from common import settle
+        settle(dict(ours=lambda: model(**inputs)))
 print(json.dumps(times))
 """
 
@@ -115,13 +118,15 @@ SIDES = {"builtin": "built-in", "ours": "ours, timing its choices", "ours_proxie
 CALLS = 12
 
 
-def _child(code: str, side: str, store: str) -> list[float]:
-    """The timed first forwards of one fresh process; `store`: its ROFORMER_ROPE_CACHE folder."""
+def _child(code: str, side: str, store: str, settle: bool = False) -> list[float]:
+    """The timed first forwards of one fresh process; `store`: its ROFORMER_ROPE_CACHE folder; `settle`: then
+    forwards until no class is timed on its real calls any more (so that all its choices are stored)."""
     env = {**os.environ, "ROFORMER_ROPE_CACHE": store}
     if side == "ours_proxies":
         env["ROFORMER_ROPE_CALIBRATE_ON_CALLS"] = "0"
     model = "builtin" if side == "builtin" else "ours"
-    out = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, check=True, env=env)
+    argv = [sys.executable, "-c", code, model] + (["settle"] if settle else [])
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -129,7 +134,7 @@ def run_first_forward(layers: int, processes: int = 3) -> Section:
     code = CHILD.format(bench=str(Path(__file__).parent), layers=layers, threads=torch.get_num_threads(), calls=CALLS)
     times: dict[str, list[list[float]]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as stored:
-        _child(code, "ours", stored)  # an earlier process on this machine, which stores its choices
+        _child(code, "ours", stored, settle=True)  # an earlier process on this machine, which stores its choices
         for _ in range(processes):
             for side in times:  # alternating, each in a fresh process
                 with tempfile.TemporaryDirectory() as empty:
@@ -150,7 +155,7 @@ def run_first_forward(layers: int, processes: int = 3) -> Section:
         "proxies\" times every class before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`). \"stored "
         "choices\" reads what an earlier process on this machine timed (`ROFORMER_ROPE_CACHE`, "
         "`modeling_roformer_rope/stored_choices_roformer_rope.py`; one earlier process stores them before the "
-        "runs). `ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration."
+        "runs, running forwards until every class is decided). `ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration."
     )
     headers = ["call", "built-in ms", "ours ms", "built-in / ours", "ours, timed on proxies ms",
                "built-in / ours (proxies)", "ours, stored choices ms", "built-in / ours (stored)"]  # fmt: skip
