@@ -125,8 +125,8 @@ class Timing:
 
 
 # Warm-up rounds at most while our calibration times classes on their real calls (`settle`): at 4 layers a class of
-# up to 4 candidates, 6 rounds each, needs ~6-24 forwards; one with packed candidates, timed on one weight of the
-# class, one round per forward.
+# up to 4 candidates, 6 rounds each, needs ~6-24 forwards, and three decisions follow one another on the MLP's first
+# linear.
 SETTLE_LIMIT = 64
 
 

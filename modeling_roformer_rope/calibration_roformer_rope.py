@@ -143,10 +143,10 @@ def _settled(best: dict[str, float]) -> bool:
 
 
 class _Rounds:
-    """The interleaved rounds of one decision: every candidate once per round, in turn, an untimed warm-up round
-    first, MIN_ROUNDS to ROUNDS timed rounds, the best time of each candidate kept (`next` names the candidate to
-    run, `record` takes its time). Run back to back on proxies (`_time_interleaved`) or one candidate per real call
-    of the shape class (`run_timed`).
+    """The interleaved rounds of one decision: every candidate once per round, an untimed warm-up round first,
+    MIN_ROUNDS to ROUNDS timed rounds, the best time of each candidate kept (`waiting` names the candidates still to
+    run in this round, `record` takes one's time). Run back to back on proxies (`_time_interleaved`, in order) or one
+    candidate per real call of the shape class (`run_timed`: the first waiting one that can run on the call).
 
     Interleaving puts the candidates under the same conditions (a first forward also faults in fresh memory and
     wakes the thread pool; timed one after the other, the first candidate paid for that and lost ~1 decision in 4
@@ -159,20 +159,29 @@ class _Rounds:
         self.best = dict.fromkeys(self.order, float("inf"))
         self.beaten: set[str] = set()
         self.round = 0  # 0: the untimed warm-up (first-call allocations, oneDNN primitives)
-        self.position = 0  # index into `order` of the next candidate of this round
+        self.ran: set[str] = set()  # the candidates that ran in this round
         self.done = False
 
-    def next(self) -> str | None:
-        """The candidate to run next, or None once the decision is made (`best` then holds the times)."""
+    @property
+    def position(self) -> int:
+        """How many candidates ran in this round."""
+        return len(self.ran)
+
+    def waiting(self) -> list[str]:
+        """The candidates still to run in this round, in order; [] once the decision is made (`best` then holds the
+        times)."""
         while not self.done:
-            if self.position >= len(self.order):
-                self._end_round()
-                continue
-            name = self.order[self.position]
-            if name in self.best and name not in self.beaten:
-                return name
-            self.position += 1
-        return None
+            skip = self.beaten | self.ran
+            names = [name for name in self.order if name in self.best and name not in skip]
+            if names:
+                return names
+            self._end_round()
+        return []
+
+    def next(self) -> str | None:
+        """The candidate to run next in order, or None once the decision is made."""
+        names = self.waiting()
+        return names[0] if names else None
 
     def record(self, name: str, seconds: float | None) -> None:
         """`name` ran in `seconds` (None: it could not run here, e.g. oneDNN has no bf16 kernel for this CPU)."""
@@ -180,7 +189,7 @@ class _Rounds:
             self.best.pop(name, None)
         elif self.round and name in self.best:
             self.best[name] = min(self.best[name], seconds)
-        self.position += 1
+        self.ran.add(name)
 
     def _end_round(self) -> None:
         if self.round >= MIN_ROUNDS and self.best:
@@ -189,7 +198,7 @@ class _Rounds:
                 return
             leader = min(self.best.values())
             self.beaten.update(name for name, seconds in self.best.items() if seconds > FAR * leader)
-        self.round, self.position = self.round + 1, 0
+        self.round, self.ran = self.round + 1, set()
         self.done = self.round > ROUNDS or not self.best
 
 
@@ -312,8 +321,9 @@ def run_timed(
     (`stalled`).
 
     Each candidate is a preparation run untimed (making a weight's pack, say) that returns the timed call, or None
-    when the candidate cannot be timed on this call (it is timed on one weight of the class only): this call then
-    runs `otherwise()`, untimed, and the rounds wait for a call that can. All candidates compute the same result;
+    when the candidate cannot be timed on this call (it is timed on a few weights of the class only): this call then
+    runs the next candidate of the round that can, or `otherwise()`, untimed, if none can; the rounds wait for the
+    others. All candidates compute the same result;
     one that raises RuntimeError is dropped and the next one runs."""
     choice = _forced.get(key[0]) or _choices.get(key)
     if choice is None:
@@ -326,14 +336,20 @@ def run_timed(
             return otherwise()
         while True:
             with _lock:  # threads calling one class share its rounds: one takes each step (the GEMMs run outside)
-                name = rounds.next()
-                if name is None:
-                    break
-                if name not in candidates:  # a call of the class without this candidate (it cannot run here)
+                waiting = rounds.waiting()
+                missing = [name for name in waiting if name not in candidates]
+                for name in missing:  # a call of the class without this candidate (it cannot run here)
                     rounds.record(name, None)
-                    continue
-            call = candidates[name]()
-            if call is None:
+            if not waiting:
+                break
+            if missing:
+                continue
+            # the first candidate of the round that can be timed on this call (a packed one only on some weights)
+            for name in waiting:
+                call = candidates[name]()
+                if call is not None:
+                    break
+            else:
                 return otherwise()
             start = time.perf_counter()
             try:

@@ -62,6 +62,7 @@ from .prepack_roformer_rope import (
     adopt,
     check,
     forget,
+    held,
     packed_linear,
     packed_weight,
     proxy_gemm,
@@ -619,36 +620,53 @@ def _on_calls(x2d: torch.Tensor, traced: bool) -> bool:
 
 
 _GEMMS = ("onednn", "torch")
-# A packed candidate is timed on one weight of its class, the first it meets (its trial weight): timing it on every
-# weight would pack each of them, and a pack costs about half a 128-row GEMM on a 2-core Zen 1 EPYC (4.5 ms), wasted
-# where packing loses; the other weights' calls run unpacked while the rounds wait for it. By decision key:
-# {pack kind: [trial weight ref, its pack, calls of the class since it last ran]}. The winner's pack is kept as its
-# weight's once the class is decided (`_keep_trial_packs`); the others are dropped then.
+# A packed candidate is timed on a few weights of its class (its trial weights), the first TRIAL_WEIGHTS it meets:
+# timing it on every weight would pack each of them, and a pack costs about half a 128-row GEMM on a 2-core Zen 1
+# EPYC (4.5 ms), wasted where packing loses; on one weight only, its rounds could run once per forward (a round waits
+# for that weight's call), so a 12-layer model's `linear_packed` took 3-6 forwards. A trial pack is timed from its
+# second call: just made, it sits in cache where the unpacked candidates' weights were read a forward ago. Meanwhile
+# the call runs another candidate of the round. By decision key: {pack kind: [[trial weight ref, its pack, calls of
+# the class since it last ran], ...]}. The winner's packs are kept as their weights' once the class is decided
+# (`_keep_trial_packs`); the others are dropped then.
 _trial_packs: dict[tuple, dict] = trial_state()
-# calls of a class without its trial weight before the current weight takes its place (the model it belonged to may
-# have gone out of use)
+TRIAL_WEIGHTS = 3
+# calls of a class without a trial weight before the longest unused one gives its place to the current weight (the
+# model it belonged to may have gone out of use)
 _TRIAL_PATIENCE = 64
 
 
 def _trial_pack(key: tuple, weight: torch.Tensor, kind: str, rows: int):
     """The pack of `kind` that a packed candidate of decision `key` is timed with on this call of `weight`
-    (`trial_pack`, kept in `_trial_packs`), or None where `weight` is not the class's trial weight for `kind`."""
-    made = _trial_packs.setdefault(key, {})
-    entry = made.get(kind)
-    trial = None if entry is None else entry[0]()
-    if trial is not None and trial is not weight and entry[2] < _TRIAL_PATIENCE:
-        entry[2] += 1
+    (`trial_pack`, kept in `_trial_packs`), or None where `weight` is not one of the class's trial weights for `kind`
+    or its pack was made on this call (timed from the next; the kind's first pack runs at once: the rounds' untimed
+    warm-up)."""
+    made = _trial_packs.setdefault(key, {}).setdefault(kind, [])
+    made[:] = [entry for entry in made if entry[0]() is not None]  # weights freed meanwhile
+    entry = next((entry for entry in made if entry[0]() is weight), None)
+    if entry is None:
+        for other in made:
+            other[2] += 1
+        if len(made) >= TRIAL_WEIGHTS:
+            idle = max(made, key=lambda other: other[2])
+            if idle[2] < _TRIAL_PATIENCE:
+                return None
+            made.remove(idle)
+    pack = trial_pack(weight, kind, rows, None if entry is None else entry[1])
+    if pack is None:
         return None
-    pack = trial_pack(weight, kind, rows, entry[1] if trial is weight else None)
-    made[kind] = [weakref.ref(weight), pack, 0]
-    return pack
+    fresh = pack is not held(weight, kind) and (entry is None or pack is not entry[1])
+    if entry is None:
+        made.append(entry := [weakref.ref(weight), pack, 0])
+    entry[1], entry[2] = pack, 0
+    return None if fresh and len(made) > 1 else pack
 
 
 def _keep_trial_packs(key: tuple, kinds) -> None:
     """Decision `key` is made: its trial packs of `kinds` become their weights' packs (`adopt`), the rest are dropped."""
-    for kind, (ref, pack, _) in _trial_packs.pop(key, {}).items():
-        if kind in kinds and ref() is not None:
-            adopt(ref(), kind, pack)
+    for kind, entries in _trial_packs.pop(key, {}).items():
+        for ref, pack, _ in entries:
+            if kind in kinds and ref() is not None:
+                adopt(ref(), kind, pack)
 
 
 class _TimedLinear:
@@ -656,9 +674,10 @@ class _TimedLinear:
     run_timed`): first oneDNN against `F.linear` (`linear`), then that winner against the packs that apply
     (`linear_packed`), each call running one candidate on its real input. Once both are decided, calls run the
     class's plan (`_decide_inference`). A 12-layer model meets each class 12 times per forward, so `linear` is
-    decided within its first forward; the packed candidates run on one trial weight each, once per forward, so
-    `linear_packed` takes 3-6 forwards more. The slower candidates cost only their extra time on a few calls: on a
-    2-core Zen 1 EPYC the first 1×128 forward of a fresh 12-layer model took ~0.43 s instead of ~1.26 s."""
+    decided within its first forward; the packed candidates run on up to TRIAL_WEIGHTS trial weights each, so
+    `linear_packed` takes about one forward more (at 4 layers, 2-3). The slower candidates cost only their extra time
+    on a few calls: on a 2-core Zen 1 EPYC the first 1×128 forward of a fresh 12-layer model took ~0.43 s instead of
+    ~1.26 s."""
 
     def __init__(self, onednn: bool, mkl: bool, dnn: bool):
         self.onednn, self.mkl, self.dnn = onednn, mkl, dnn
@@ -717,9 +736,10 @@ class _TimedLinear:
 
 
 def _trial_call(key: tuple, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, gemm):
-    """The preparation of a packed candidate timed on a real call: the trial weight's pack of `kind`, made untimed
-    (`_trial_pack`); then the GEMM on it. None on another weight's call, and on an inference tensor, which
-    `packed_weight` never packs (a class of such weights only stalls, and is decided on proxies)."""
+    """The preparation of a packed candidate timed on a real call: a trial weight's pack of `kind`, made untimed
+    (`_trial_pack`); then the GEMM on it. None on the call of a weight that is not a trial weight or whose pack was
+    just made, and on an inference tensor, which `packed_weight` never packs (a class of such weights only stalls,
+    and is decided on proxies)."""
     if weight.is_inference():
         return None
     pack = _trial_pack(key, weight, kind, x2d.shape[0])

@@ -191,6 +191,11 @@ def trial_pack(weight: torch.Tensor, kind: str, rows: int, earlier: _Pack | None
     return _Pack(weight, rows, state, kind)
 
 
+def held(weight: torch.Tensor, kind: str) -> _Pack | None:
+    """The weight's own pack of `kind` (made by `packed_weight` or kept by `adopt`), None if it has none."""
+    return _packs.get(weight, {}).get(kind)
+
+
 def adopt(weight: torch.Tensor, kind: str, pack: _Pack) -> None:
     """Keep `pack` (from `trial_pack`) as the weight's pack of `kind`: used from its next call on, as if made there
     (`packed_weight` checks it against the weight first, like any pack)."""
@@ -237,5 +242,5 @@ def proxy_gemm(
     return lambda: compute(proxy, pack(), weight, bias, rows)  # (R, O)
 
 
-__all__ = ["KINDS", "adopt", "available", "check", "forget", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight",
+__all__ = ["KINDS", "adopt", "available", "check", "forget", "held", "make_pack", "pack_kinds", "pack_rows", "packed_linear", "packed_weight",
            "proxy_gemm", "proxy_pack", "rows_changed", "trial_linear", "trial_pack"]
