@@ -37,6 +37,7 @@ its first call instead of on its real calls (`_TimedLinear`).
 import functools
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -643,6 +644,14 @@ def _trial_pack(key: tuple, weight: torch.Tensor, kind: str, rows: int):
     (`trial_pack`, kept in `_trial_packs`), or None where `weight` is not one of the class's trial weights for `kind`
     or its pack was made on this call (timed from the next; the kind's first pack runs at once: the rounds' untimed
     warm-up)."""
+    with _trial_lock:  # threads calling one class share its trial weights (making a pack under it: ~1-5 ms, rarely)
+        return _trial_pack_locked(key, weight, kind, rows)
+
+
+_trial_lock = threading.Lock()
+
+
+def _trial_pack_locked(key: tuple, weight: torch.Tensor, kind: str, rows: int):
     made = _trial_packs.setdefault(key, {}).setdefault(kind, [])
     made[:] = [entry for entry in made if entry[0]() is not None]  # weights freed meanwhile
     entry = next((entry for entry in made if entry[0]() is weight), None)
@@ -666,7 +675,9 @@ def _trial_pack(key: tuple, weight: torch.Tensor, kind: str, rows: int):
 
 def _keep_trial_packs(key: tuple, kinds) -> None:
     """Decision `key` is made: its trial packs of `kinds` become their weights' packs (`adopt`), the rest are dropped."""
-    for kind, entries in _trial_packs.pop(key, {}).items():
+    with _trial_lock:
+        made = _trial_packs.pop(key, {})
+    for kind, entries in made.items():
         for ref, pack, _ in entries:
             if kind in kinds and ref() is not None:
                 adopt(ref(), kind, pack)

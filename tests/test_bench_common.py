@@ -119,14 +119,16 @@ def test_interleaved_times_our_choices_not_the_rounds_on_real_calls(monkeypatch)
     builtin = builtin_model("RoFormerModel", hidden_size=64, intermediate_size=96, num_hidden_layers=3)
     ours = convert_model(builtin).eval()
     other = dict(input_ids=torch.tensor([[2, 5, 7]]))  # 3 rows: classes of another row bucket than the batch's 40
-    with torch.no_grad():
-        ours(**other)
-        elsewhere = calibration.timing_on_calls()
-        assert elsewhere  # its classes are timed on their real calls, one candidate per call
-        batch = padded_batch(seq_len=20)
-        timing = common.interleaved({"ours": lambda: ours(**batch), "builtin": lambda: builtin(**batch)}, reps=2)
-    assert 0 < timing.settle_rounds < common.SETTLE_LIMIT
-    assert calibration.timing_on_calls() == elsewhere  # the batch's classes decided; the 3-row ones untouched
-    decided = {tuple(d["class"]) for d in calibration.decisions()}
-    assert any(key[0] == "linear" and key[-1] == calibration.row_bucket(40) for key in decided), decided
-    calibration.reset()
+    try:
+        with torch.no_grad():
+            ours(**other)
+            elsewhere = calibration.timing_on_calls()
+            assert elsewhere  # its classes are timed on their real calls, one candidate per call
+            batch = padded_batch(seq_len=20)
+            timing = common.interleaved({"ours": lambda: ours(**batch), "builtin": lambda: builtin(**batch)}, reps=2)
+        assert 0 < timing.settle_rounds < common.SETTLE_LIMIT
+        assert calibration.timing_on_calls() == elsewhere  # the batch's classes decided; the 3-row ones untouched
+        decided = {tuple(d["class"]) for d in calibration.decisions()}
+        assert any(key[0] == "linear" and key[-1] == calibration.row_bucket(40) for key in decided), decided
+    finally:
+        calibration.reset()  # choices made under the forced-off switches must not outlive them

@@ -272,6 +272,45 @@ def test_a_model_times_its_linear_classes_on_its_real_calls_and_equals_the_built
 
 
 @needs_onednn
+def test_threads_sharing_a_model_while_its_classes_are_timed_get_the_builtins_outputs(monkeypatch):
+    """Four threads run one model at once while its classes are timed on their calls: they share the rounds and the
+    trial weights, every output equals the built-in's, and the classes get decided."""
+    import threading
+
+    for kind in calibration.KINDS:
+        monkeypatch.setitem(calibration._forced, kind, None)
+    calibration.reset()
+    builtin = builtin_model("RoFormerModel", hidden_size=64, intermediate_size=96, num_hidden_layers=4)
+    ours = convert_model(builtin).eval()
+    batch = padded_batch(seq_len=20)
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = builtin(**batch).last_hidden_state[valid]
+    errors = []
+
+    def work():
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                for _ in range(20):
+                    got = ours(**batch).last_hidden_state[valid]
+                    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        except Exception as error:  # noqa: BLE001 - reported below, with the thread's traceback lost but its message kept
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not errors, errors[:2]
+        kinds = {d["class"][0] for d in calibration.decisions()}
+        assert {"linear", "linear_gelu"} <= kinds, kinds
+    finally:
+        calibration.reset()
+
+
+@needs_onednn
 @pytest.mark.parametrize("value", ["0", ""])
 def test_the_environment_switches_timing_on_real_calls_off(value):
     probe = (
