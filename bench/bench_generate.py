@@ -99,28 +99,31 @@ sys.path.insert(0, {bench!r})
 from common import make_pair, random_batch
 builtin, ours = make_pair({layers}, max_positions=512)
 model = builtin if sys.argv[1] == "builtin" else ours
+from modeling_roformer_rope.calibration_roformer_rope import timing_on_calls
 inputs = random_batch(1, 128)
-times = []
+times, timed = [], []
 with torch.no_grad():
     for _ in range({calls}):
         start = time.perf_counter()
         model(**inputs)
         times.append(time.perf_counter() - start)
+        timed.append(len(timing_on_calls()))  # classes still timed on their real calls after this call
     if sys.argv[2:] == ["settle"]:  # the process that stores choices for the next: until every class is decided
         from common import settle
         settle(dict(ours=lambda: model(**inputs)))
-print(json.dumps(times))
+print(json.dumps(dict(times=times, timed=timed)))
 """
 
 
 SIDES = {"builtin": "built-in", "ours": "ours, timing its choices", "ours_proxies": "ours, timing on proxies",
          "ours_stored": "ours, choices stored"}  # fmt: skip
-CALLS = 12
+CALLS = 16
 
 
-def _child(code: str, side: str, store: str, settle: bool = False) -> list[float]:
-    """The timed first forwards of one fresh process; `store`: its ROFORMER_ROPE_CACHE folder; `settle`: then
-    forwards until no class is timed on its real calls any more (so that all its choices are stored)."""
+def _child(code: str, side: str, store: str, settle: bool = False) -> dict[str, list]:
+    """The timed first forwards of one fresh process ("times", s) and how many classes were still timed on their real
+    calls after each ("timed"); `store`: its ROFORMER_ROPE_CACHE folder; `settle`: then forwards until no class is
+    timed on its real calls any more (so that all its choices are stored)."""
     env = {**os.environ, "ROFORMER_ROPE_CACHE": store}
     if side == "ours_proxies":
         env["ROFORMER_ROPE_CALIBRATE_ON_CALLS"] = "0"
@@ -133,19 +136,26 @@ def _child(code: str, side: str, store: str, settle: bool = False) -> list[float
 def run_first_forward(layers: int, processes: int = 3) -> Section:
     code = CHILD.format(bench=str(Path(__file__).parent), layers=layers, threads=torch.get_num_threads(), calls=CALLS)
     times: dict[str, list[list[float]]] = {side: [] for side in SIDES}
+    timed: list[list[int]] = []  # ours, nothing stored: classes still timed on their real calls after each call
     with tempfile.TemporaryDirectory() as stored:
         _child(code, "ours", stored, settle=True)  # an earlier process on this machine, which stores its choices
         for _ in range(processes):
             for side in times:  # alternating, each in a fresh process
                 with tempfile.TemporaryDirectory() as empty:
-                    times[side].append(_child(code, side, stored if side == "ours_stored" else empty))
+                    run = _child(code, side, stored if side == "ours_stored" else empty)
+                times[side].append(run["times"])
+                if side == "ours":
+                    timed.append(run["timed"])
     medians = {side: [statistics.median(run[i] for run in runs) for i in range(CALLS)] for side, runs in times.items()}
-    rows = [[f"call {i + 1}", fmt_ms(medians["builtin"][i])]
-            + [cell for side in ("ours", "ours_proxies", "ours_stored")
+    still = [statistics.median(run[i] for run in timed) for i in range(CALLS)]
+    rows = [[f"call {i + 1}", fmt_ms(medians["builtin"][i]), fmt_ms(medians["ours"][i]),
+             f"{medians['builtin'][i] / medians['ours'][i]:.2f}×", f"{still[i]:g}"]
+            + [cell for side in ("ours_proxies", "ours_stored")
                for cell in (fmt_ms(medians[side][i]), f"{medians['builtin'][i] / medians[side][i]:.2f}×")]
             for i in range(CALLS)]  # fmt: skip
-    print("first forwards 1×128 (built-in / ours / ours timed on proxies / ours with stored choices): "
-          + "; ".join(f"{r[0]} {r[1]} / {r[2]} / {r[4]} / {r[6]} ms" for r in rows), flush=True)  # fmt: skip
+    print("first forwards 1×128 (built-in / ours / ours timed on proxies / ours with stored choices; classes ours "
+          "still times on calls): " + "; ".join(f"{r[0]} {r[1]} / {r[2]} / {r[5]} / {r[7]} ms; {r[4]}" for r in rows),
+          flush=True)  # fmt: skip
     method = (
         f"Encoder forward {shape_name(1, 128)}, fp32, {layers} layers, in a fresh process per side ({processes} "
         f"processes each, alternating; medians of each of the first {CALLS} calls). Ours with nothing stored "
@@ -155,15 +165,20 @@ def run_first_forward(layers: int, processes: int = 3) -> Section:
         "proxies\" times every class before its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=0`). \"stored "
         "choices\" reads what an earlier process on this machine timed (`ROFORMER_ROPE_CACHE`, "
         "`modeling_roformer_rope/stored_choices_roformer_rope.py`; one earlier process stores them before the "
-        "runs, running forwards until every class is decided). `ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration."
+        "runs, running forwards until every class is decided). `ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration. "
+        "\"Classes still timed\": how many classes ours (nothing stored) was still timing on their real calls after the call "
+        "(`calibration_roformer_rope.timing_on_calls()`, median over its processes); weights are packed from their "
+        "second call after their class is decided, so the forward after the last decision still makes packs."
     )
-    headers = ["call", "built-in ms", "ours ms", "built-in / ours", "ours, timed on proxies ms",
-               "built-in / ours (proxies)", "ours, stored choices ms", "built-in / ours (stored)"]  # fmt: skip
+    headers = ["call", "built-in ms", "ours ms", "built-in / ours", "classes still timed on calls after it (ours)",
+               "ours, timed on proxies ms", "built-in / ours (proxies)", "ours, stored choices ms",
+               "built-in / ours (stored)"]  # fmt: skip
     return Section("first_forward", "First forwards of a fresh process", method, headers, rows, None,
                    {"rows": [{"call": i + 1, "builtin_s": medians["builtin"][i], "ours_s": medians["ours"][i],
-                              "ours_proxies_s": medians["ours_proxies"][i], "ours_stored_s": medians["ours_stored"][i]}
+                              "ours_proxies_s": medians["ours_proxies"][i], "ours_stored_s": medians["ours_stored"][i],
+                              "ours_classes_timed_on_calls": still[i]}
                              for i in range(CALLS)],
-                    "times": times})  # fmt: skip
+                    "times": times, "timed": timed})  # fmt: skip
 
 
 def run(layers: int, reps: int) -> list[Section]:
