@@ -625,9 +625,10 @@ _GEMMS = ("onednn", "torch")
 # timing it on every weight would pack each of them, and a pack costs about half a 128-row GEMM on a 2-core Zen 1
 # EPYC (4.5 ms; ~3 ms on Emerald Rapids, most of it faulting in fresh memory), wasted where packing loses; on one
 # weight only, its rounds could run once per forward (a round waits for that weight's call), so a 12-layer model's
-# `linear_packed` took 3-6 forwards; on two, they run twice per forward, for one wasted pack more per losing kind
-# (with three, a fresh 12-layer model settled 1-5 calls sooner on Emerald Rapids but made 6-18 packs more, and a
-# 4-layer one settled no sooner: the MLP's GELU decision, which follows, sets the pace). A trial pack is timed from its
+# `linear_packed` took 3-6 forwards; on two, they can run twice per forward, for one wasted pack more per losing
+# kind. The model as a whole settles no sooner for it (Emerald Rapids, `python bench/experiments.py --only
+# first_forwards`: after call 7 at 12 layers, 12-13 at 4, as with one): the MLP's GELU decision, which waits for its
+# linear's, sets the pace. A trial pack is timed from its
 # second call: just made, it sits in cache where the unpacked candidates' weights were read a forward ago. Meanwhile
 # the call runs another candidate of the round. By decision key: {pack kind: [[trial weight ref, its pack, calls of
 # the class since it last ran], ...]}. The winner's packs are kept as their weights' once the class is decided
@@ -688,7 +689,7 @@ class _TimedLinear:
     run_timed`): first oneDNN against `F.linear` (`linear`), then that winner against the packs that apply
     (`linear_packed`), each call running one candidate on its real input. Once both are decided, calls run the
     class's plan (`_decide_inference`). A 12-layer model meets each class 12 times per forward, so `linear` is
-    decided within its first forward; the packed candidates run on up to TRIAL_WEIGHTS trial weights each, so
+    decided within its first forward; the packed candidates run on up to TRIAL_WEIGHTS trial weights each, and
     `linear_packed` takes 1-3 forwards more. The slower candidates cost only their extra time
     on a few calls: on a 2-core Zen 1 EPYC the first 1×128 forward of a fresh 12-layer model took ~0.43 s instead of
     ~1.26 s."""
