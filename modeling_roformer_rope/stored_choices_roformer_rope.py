@@ -113,7 +113,8 @@ def _here() -> tuple[dict, pathlib.Path | None]:
     folder depends on changes: every open decision looks its key up on every call (`calibration_roformer_rope.
     pending`), and hashing the signature each time made a lookup ~35 µs instead of ~11 (Emerald Rapids), ~1 ms a
     forward of a fresh 12-layer model while its classes are timed."""
-    signature()  # fills _machine
+    if not _machine:
+        signature()  # fills _machine
     machine = _machine[0]
     key = (torch.get_num_threads(), *(os.environ.get(name) for name in ("ROFORMER_ROPE_CACHE", "XDG_CACHE_HOME", "HOME")))
     if not (_where and _where[0] is machine and _where[1] == key):
