@@ -623,9 +623,8 @@ def _on_calls(x2d: torch.Tensor, traced: bool) -> bool:
 _GEMMS = ("onednn", "torch")
 # A packed candidate is timed on a few weights of its class (its trial weights), the first TRIAL_WEIGHTS it meets:
 # timing it on every weight would pack each of them, and a pack costs about half a 128-row GEMM on a 2-core Zen 1
-# EPYC (4.5 ms; ~3 ms on Emerald Rapids, most of it faulting in fresh memory), wasted where packing loses; on one
-# weight only, its rounds could run once per forward (a round waits for that weight's call), so a 12-layer model's
-# `linear_packed` took 3-6 forwards; on two, they can run twice per forward, for one wasted pack more per losing
+# EPYC (4.5 ms), wasted where packing loses; on one weight only, its rounds could run once per forward (a round
+# waits for that weight's call), so a 12-layer model's `linear_packed` took 3-6 forwards; on two, they can run twice per forward, for one wasted pack more per losing
 # kind. The model as a whole settles no sooner for it (Emerald Rapids, `python bench/experiments.py --only
 # first_forwards`: after call 7 at 12 layers, 12-13 at 4, as with one): the MLP's GELU decision, which waits for its
 # linear's, sets the pace. A trial pack is timed from its

@@ -162,7 +162,7 @@ def forget(weight: torch.Tensor) -> None:
 
 def pack_rows(weight: torch.Tensor) -> int | None:
     """The row count `weight` has an MKL pack for, or None (tests and debugging)."""
-    pack = _packs.get(weight, {}).get("mkl")
+    pack = held(weight, "mkl")
     return None if pack is None else pack.rows
 
 
@@ -185,7 +185,7 @@ def trial_pack(weight: torch.Tensor, kind: str, rows: int, earlier: _Pack | None
     if weight.is_inference():
         return None
     rows, state = rows if kind == "mkl" else None, _state(weight)
-    for pack in (_packs.get(key, {}).get(kind), earlier):
+    for pack in (held(key, kind), earlier):
         if pack is not None and pack.rows == rows and _fits(pack, weight, state):
             return pack
     return _Pack(weight, rows, state, kind)

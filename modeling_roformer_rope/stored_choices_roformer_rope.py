@@ -42,6 +42,9 @@ _ISA_VARIABLES = (
 _OFF = ("0", "off", "false", "no")
 
 
+_FOLDER_VARIABLES = ("ROFORMER_ROPE_CACHE", "XDG_CACHE_HOME", "HOME")  # what `folder` reads (HOME: through "~")
+
+
 def folder() -> pathlib.Path | None:
     """Where the choices are stored, or None when switched off (`ROFORMER_ROPE_CACHE=0`)."""
     raw = os.environ.get("ROFORMER_ROPE_CACHE", "").strip()
@@ -111,12 +114,11 @@ _where: list = []  # [machine part, thread count and folder variables, signature
 def _here() -> tuple[dict, pathlib.Path | None]:
     """(`signature()`, its file), worked out again only when the machine part, the thread count or a variable the
     folder depends on changes: every open decision looks its key up on every call (`calibration_roformer_rope.
-    pending`), and hashing the signature each time made a lookup ~35 µs instead of ~11 (Emerald Rapids), ~1 ms a
-    forward of a fresh 12-layer model while its classes are timed."""
+    pending`), and serialising and hashing the signature each time was most of a lookup's cost."""
     if not _machine:
         signature()  # fills _machine
     machine = _machine[0]
-    key = (torch.get_num_threads(), *(os.environ.get(name) for name in ("ROFORMER_ROPE_CACHE", "XDG_CACHE_HOME", "HOME")))
+    key = (torch.get_num_threads(), *(os.environ.get(name) for name in _FOLDER_VARIABLES))
     if not (_where and _where[0] is machine and _where[1] == key):
         sig = signature()
         _where[:] = [machine, key, sig, _path(sig)]
