@@ -41,6 +41,11 @@ Experiments
   their real calls vs timing every class on proxies vs reading stored choices (`bench_generate.run_first_forward`).
 - small_models: narrow models (64-256 wide, 2-4 layers, vocab 5000) on short inputs, base encoder and MLM, fp32:
   built-in vs ours, and ours with each linear's inference plan decided on every call instead of remembered.
+- small_models_first_calls: the first 100 forwards of fresh processes of narrow models (64-256 wide) and a 768-wide
+  one on short inputs, built-in and ours alternating in each process, ours as built (a linear class's rounds on its
+  real calls start once its calls have cost what a decision costs: `calibration_roformer_rope.start_budget`) vs
+  ours starting them on its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=1`): ratios over calls 1, 2-3, 4-10,
+  11-40 and 41-100.
 - emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
   emulated GEMM vs the float32 GEMM on converted operands, whole weight vs slice by slice (`_upcast_linear`),
   forward and backward, with each one's error against the rounded float32 product.
@@ -1115,6 +1120,70 @@ def small_models(reps: int, block_seconds: float = 0.02) -> None:
                   flush=True)  # fmt: skip
 
 
+FIRST_CALLS_CHILD = """
+import json, sys, time, torch
+torch.set_num_threads({threads})
+sys.path.insert(0, {bench!r})
+from common import make_pair, random_batch
+from modeling_roformer_rope.calibration_roformer_rope import timing_on_calls
+hidden, heads, layers, batch, length = {geometry}
+builtin, ours = make_pair(layers, 512, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                          vocab_size=5000)
+inputs = random_batch(batch, length, vocab=5000)
+times = dict(builtin=[], ours=[])
+open_classes = []
+with torch.no_grad():
+    for call in range({calls}):
+        for name in (("builtin", "ours") if call % 2 else ("ours", "builtin")):
+            model = builtin if name == "builtin" else ours
+            start = time.perf_counter()
+            model(**inputs)
+            times[name].append(time.perf_counter() - start)
+        open_classes.append(len(timing_on_calls()))
+print(json.dumps(dict(times=times, open=open_classes)))
+"""
+# the narrow geometries of `small_models` and a 768-wide model, (hidden size, heads, layers, batch, length)
+FIRST_CALLS_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), (256, 4, 4, 8, 128),
+                      (768, 12, 4, 1, 32))  # fmt: skip
+FIRST_CALLS_RANGES = ((0, 1), (1, 3), (3, 10), (10, 40), (40, 100))
+
+
+def small_models_first_calls(processes: int = 3, calls: int = 100) -> None:
+    """The first `calls` forwards of fresh processes (`FIRST_CALLS_CHILD`), built-in and ours alternating in each;
+    ours as built vs with its linear classes' rounds on real calls starting at their first call. Per range of calls:
+    the median over processes of the range's summed built-in time over its summed ours."""
+    import json
+    import os
+    import statistics
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    sides = {"as built": {}, "rounds from the first call": {"ROFORMER_ROPE_CALIBRATE_ON_CALLS": "1"}}
+    ranges = " | ".join(f"calls {lo + 1}-{hi}" if hi - lo > 1 else f"call {hi}" for lo, hi in FIRST_CALLS_RANGES)
+    print(f"| hidden × layers | B×T | ours | {ranges} | built-in ms per call (calls 41-100) | classes open after "
+          "call 10 / 40 / 100 |")
+    print("|---|---|---|" + "---|" * (len(FIRST_CALLS_RANGES) + 2))
+    for geometry in FIRST_CALLS_MODELS:
+        code = FIRST_CALLS_CHILD.format(threads=torch.get_num_threads(), bench=str(Path(__file__).parent),
+                                        geometry=geometry, calls=calls)  # fmt: skip
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        for _ in range(processes):
+            for side, env in sides.items():  # alternating, each in a fresh process
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "ROFORMER_ROPE_CACHE": "0", **env})  # fmt: skip
+                runs[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        hidden, _, layers, batch, length = geometry
+        for side, results in runs.items():
+            ratios = [statistics.median(sum(r["times"]["builtin"][lo:hi]) / sum(r["times"]["ours"][lo:hi])
+                                        for r in results) for lo, hi in FIRST_CALLS_RANGES]  # fmt: skip
+            late = statistics.median(statistics.median(r["times"]["builtin"][40:]) for r in results)
+            still = [statistics.median(r["open"][i - 1] for r in results) for i in (10, 40, calls)]
+            print(f"| {hidden} × {layers} | {batch}×{length} | {side} | " + " | ".join(f"{x:.2f}×" for x in ratios)
+                  + f" | {1e3 * late:.2f} | {' / '.join(f'{x:g}' for x in still)} |", flush=True)
+
+
 # (in, out, rows measured forward, rows measured backward): the encoder's MLP shapes and the vocabulary projection.
 # The backward's emulated goᵀ·x is slow enough (1.4 GFLOP/s at the projection) that its rows stay few there.
 EMULATED_SHAPES = ((768, 3072, (1, 16, 32, 77, 256, 2048), (32, 256)), (3072, 768, (1, 16, 256, 2048), (32, 256)),
@@ -1482,6 +1551,7 @@ def main() -> None:
         "varied_lengths": lambda: varied_lengths(L),
         "first_forwards": lambda: first_forwards(L),
         "small_models": lambda: small_models(R),
+        "small_models_first_calls": lambda: small_models_first_calls(),
         "emulated_gemm": lambda: emulated_gemm(R),
         "dropout": lambda: dropout_experiment(R, shapes),
         "softmax_dtype": lambda: softmax_dtype(R, shapes),

@@ -22,6 +22,7 @@ run every path this way).
 
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -97,7 +98,7 @@ def force(kind: str, path: str | None) -> None:
     for key in [k for k in _choices if k[0] == kind]:
         del _choices[key]
         _from_store.discard(key)
-    for state in (_trials, *_trial_states):
+    for state in (_trials, _rents, *_trial_states):
         for key in [k for k in state if k[0] == kind]:
             del state[key]
     _forget_derived()
@@ -117,10 +118,11 @@ def forced(kind: str) -> str | None:
 def reset() -> None:
     """Forget every choice made in this process (a choice stored on disk is read again on its next use)."""
     _choices.clear()
-    for state in (_trials, *_trial_states):
+    for state in (_trials, _rents, *_trial_states):
         state.clear()
     _timings.clear()
     _from_store.clear()
+    _costs.clear()
     _forget_derived()
 
 
@@ -161,6 +163,12 @@ class _Rounds:
         self.round = 0  # 0: the untimed warm-up (first-call allocations, oneDNN primitives)
         self.ran: set[str] = set()  # the candidates that ran in this round
         self.done = False
+        self.paid = 0.0  # seconds of the calls that ran the rounds (`run_timed`: preparations and warm-up included)
+        self.calls = 0
+
+    def cost(self) -> float:
+        """What the rounds cost beyond running the winner on their calls (s): `paid` less `calls` times its best."""
+        return self.paid - self.calls * min(self.best.values(), default=0.0) if self.calls else 0.0
 
     @property
     def position(self) -> int:
@@ -283,6 +291,7 @@ def _take_stored(key: tuple, names) -> bool:
 def _end_trial(key: tuple, states: bool = True) -> None:
     """key is decided: drop its rounds on real calls and (`states`) what callers kept for them (`trial_state`), and
     the plans that were timing it give way to ones for the choice."""
+    _rents.pop(key, None)
     if _trials.pop(key, None) is not None:
         for state in _trial_states if states else ():
             state.pop(key, None)
@@ -296,17 +305,52 @@ def _end_trial(key: tuple, states: bool = True) -> None:
 # interleaved rounds (`_Rounds`), spread over the calls, costing only the slower candidates' extra time.
 
 
+def decided(key: tuple) -> bool:
+    """Whether key's decision is made in this process or forced (one dict lookup; `pending` also reads the store)."""
+    return _forced.get(key[0]) is not None or key in _choices
+
+
 def pending(key: tuple, names) -> bool:
     """Whether key's decision is still open: not forced, not made in this process, none stored for it (a stored one
     is taken now). `names`: the candidates a decision would choose among."""
-    if _forced.get(key[0]) is not None or key in _choices:
-        return False
-    return not _take_stored(key, names)
+    return not decided(key) and not _take_stored(key, names)
 
 
 # Calls of another size than the rounds' before a class gives up timing on its real calls (`stalled`): in a stream of
 # varying lengths, a 12-layer model's one sentence gives 12 calls of one size, and the next sentence another.
 STALL = 32
+
+# When a class's rounds on real calls begin: ski rental. The rounds cost about the same whatever the class's size
+# (oneDNN primitives and packs made, the slower candidates run: 1-3 ms a decision at 64 wide, 2-17 ms at 768, logged
+# at DEBUG as "N calls costing X ms more"), so on a small class, a narrow model's GEMMs of 10-40 µs, they cost as
+# much as a hundred of its calls and could win a few µs a call; timed at once, a 2-layer 64-wide model ran ~0.6× the
+# built-in's speed over its calls 4-10 and ~1.1× after. So the caller of a class whose first decision is open runs
+# its default on the class's calls (`rent`) until they have cost what a decision costs (`start_budget`), then starts
+# the rounds: a class that recurs long enough to pay for its timing is timed, for at worst twice the time of the
+# better of the two strategies in hindsight (the ski-rental bound), and a base-width class reaches the budget within
+# its first few calls.
+START_BUDGET = 2e-3  # seconds, before this process has measured what a decision costs
+_costs: list[float] = []  # what each decision timed on real calls cost beyond its winner's calls (`_Rounds.cost`)
+_budget = [START_BUDGET]
+_rents: dict[tuple, list] = {}  # decision key → [seconds, calls] its class ran on the default before its rounds
+
+
+def start_budget() -> float:
+    """Seconds a class's calls run its default before its rounds on real calls begin: the median cost of the decisions
+    timed on real calls in this process so far (`_Rounds.cost`), START_BUDGET before the first."""
+    return _budget[0] if _costs else START_BUDGET
+
+
+def rent(key: tuple) -> list:
+    """[seconds, calls] that key's class has run on its default so far, while its decision is open; the caller adds
+    to it each call it runs the default instead of the rounds, until the seconds reach `start_budget()`."""
+    with _lock:
+        return _rents.setdefault(key, [0.0, 0])
+
+
+def _count_cost(seconds: float) -> None:
+    _costs.append(max(0.0, seconds))
+    _budget[0] = statistics.median(_costs)
 
 
 def run_timed(
@@ -344,6 +388,7 @@ def run_timed(
                 break
             if missing:
                 continue
+            step = time.perf_counter()
             # the first candidate of the round that can be timed on this call (a packed one only on some weights)
             for name in waiting:
                 call = candidates[name]()
@@ -360,10 +405,17 @@ def run_timed(
                     rounds.record(name, None)
                 continue
             with _lock:
-                rounds.record(name, time.perf_counter() - start)
+                end = time.perf_counter()
+                rounds.record(name, end - start)
+                rounds.paid, rounds.calls = rounds.paid + end - step, rounds.calls + 1
             return result
         with _lock:
-            choice = _choices.get(key) or _decide(key, rounds.best, "measured on real calls")
+            choice = _choices.get(key)
+            if choice is None:
+                _count_cost(rounds.cost())
+                rented = _rents.get(key, (0.0, 0))[1]
+                choice = _decide(key, rounds.best, f"measured on real calls ({rounds.calls} calls costing "
+                                 f"{1e3 * rounds.cost():.2f} ms more, after {rented} on the default)")  # fmt: skip
         _end_trial(key, states=False)  # the caller keeps what it made for the winner (`trial_state`), drops the rest
     call = candidates[choice]()
     return otherwise() if call is None else call()
@@ -377,10 +429,13 @@ def stalled(key: tuple) -> bool:
 
 def timing_on_calls() -> dict[tuple, tuple[int, int, int]]:
     """The classes being timed on their real calls now (`run_timed`), each with how far its rounds got: (round,
-    candidate of the round, calls of another size). A benchmark warms up until these stop moving, so that its timed
+    candidate of the round, calls of another size); (-1, calls on the default, ...) while they run the default before
+    their rounds begin (`start_budget`). A benchmark warms up until these stop moving, so that its timed
     calls run the choices rather than the rounds (`bench/common.py`, `interleaved`)."""
     with _lock:
-        return {key: (rounds.round, rounds.position, rounds.misses) for key, rounds in _trials.items()}
+        progress = {key: (-1, calls, 0) for key, (_, calls) in _rents.items() if key not in _choices}
+        progress.update((key, (rounds.round, rounds.position, rounds.misses)) for key, rounds in _trials.items())
+        return progress
 
 
 def measured(key: tuple) -> dict[str, float] | None:
@@ -420,6 +475,6 @@ def length_bucket(length: int) -> int:
 
 
 __all__ = [
-    "KINDS", "choose", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo",
-    "pending", "reset", "row_bucket", "run_timed", "stalled", "trial_state",
+    "KINDS", "choose", "decided", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo",
+    "pending", "rent", "reset", "row_bucket", "run_timed", "stalled", "start_budget", "trial_state",
 ]  # fmt: skip

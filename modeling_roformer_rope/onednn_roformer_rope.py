@@ -31,13 +31,15 @@ measuring (unset or `auto`: measure); `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1|auto` 
 kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length limit (default 384 keys);
 `ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory: ~2.2× each weight packed
 for MKL, ~1× for oneDNN); `ROFORMER_ROPE_CALIBRATE_ON_CALLS=0` times every inference linear class on proxies before
-its first call instead of on its real calls (`_TimedLinear`).
+its first call instead of on its real calls (`_TimedLinear`), and `=1` starts those rounds on a class's first call
+(unset or `auto`: once its calls have cost what a decision costs, `calibration_roformer_rope.start_budget`).
 """
 
 import functools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,14 +51,17 @@ from transformers.activations import GELUActivation
 
 from .calibration_roformer_rope import (
     choose,
+    decided,
     force_default,
     forced,
     measured,
     memo,
     pending,
+    rent,
     row_bucket,
     run_timed,
     stalled,
+    start_budget,
     trial_state,
 )
 from .prepack_roformer_rope import (
@@ -119,7 +124,8 @@ class Settings:
     onednn_attention: str = "auto"  # our blocked attention kernel where it applies: "auto" | "on" | "off"
     onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
     pack: str = "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
-    # "off": every inference linear class is timed on proxies before its first call, never on its real calls
+    # "off": every inference linear class is timed on proxies before its first call, never on its real calls; "on": on
+    # its real calls from its first; "auto": on its real calls once they have cost what a decision costs
     calibrate_on_calls: str = "auto"
 
     @property
@@ -590,7 +596,11 @@ def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     mkl, dnn = _packing_applies(x2d, weight, traced), _onednn_packing_applies(x2d, weight, onednn)
     if _on_calls(x2d, traced):
         timed = _TimedLinear(onednn, mkl, dnn)
-        if timed.open_decision(x2d, weight) is not None:
+        key = timed.open_decision(x2d, weight)
+        if key is not None:
+            # the class's first decision (`linear`; `linear_packed` where oneDNN does not apply) waits for its rent
+            if (key[0] == "linear" or not onednn) and settings.calibrate_on_calls == "auto":
+                timed.rent = rent(key)
             return timed, None
     gemm = _unpacked_gemm(x2d, weight, bias, onednn)
     if not (mkl or dnn):
@@ -695,6 +705,7 @@ class _TimedLinear:
 
     def __init__(self, onednn: bool, mkl: bool, dnn: bool):
         self.onednn, self.mkl, self.dnn = onednn, mkl, dnn
+        self.rent = None  # [seconds, calls] on `F.linear` before the rounds of the class's first decision (`rent`)
 
     def _pack_paths(self) -> tuple[str, ...]:
         return ("unpacked",) + ("packed",) * self.mkl + ("onednn_packed",) * self.dnn
@@ -710,7 +721,14 @@ class _TimedLinear:
         return None
 
     def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided."""
+        """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided; on `F.linear`
+        until the class's calls have cost what timing it would (`calibration_roformer_rope.start_budget`)."""
+        spent = self.rent
+        if spent is not None and spent[0] < start_budget():
+            start = time.perf_counter()
+            y = F.linear(x2d, weight, bias)
+            spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1
+            return y
         key = self.open_decision(x2d, weight)
         if key is None:  # decided meanwhile by another way (a choice another process stored, a thread's call)
             return _run_plan(x2d, weight, bias, *_decide_inference(x2d, weight, bias, self.onednn, False))
@@ -1001,11 +1019,8 @@ def _gelu_key(x2d: torch.Tensor, weight: torch.Tensor) -> tuple:
 def _timed_linear_gelu(key: tuple, x: torch.Tensor, x2d: torch.Tensor, producer: nn.Module, act_fn: nn.Module, dnn):
     """act_fn(producer(x)) (..., O) while its `linear_gelu` class is timed on its real calls (`_on_calls`): each
     call on one of `_GELU_PATHS` (`dnn`: the weight can have a oneDNN pack), once the producer's own GEMM class is
-    decided (until then "separate", which times it)."""
+    decided (until then its caller runs "separate", which times it)."""
     weight, bias = producer.weight, producer.bias
-    plan = _fast_inference_plan(x2d, weight, bias)
-    if plan is not None and isinstance(plan[0], _TimedLinear):
-        return activation(act_fn, producer(x), producer)
     shape = (*x.shape[:-1], producer.out_features)
 
     def fused_packed():
@@ -1094,9 +1109,13 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
     x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (N, I)
     key = _gelu_key(x2d, weight)
     dnn = _onednn_packing_applies(x2d, weight, True)
-    # decided (the steady state) first: one dict lookup in `pending`
-    if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and _on_calls(x2d, False) and not stalled(key):
-        return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
+    # decided (the steady state) first: one dict lookup
+    if not decided(key) and _on_calls(x2d, False):
+        plan = _fast_inference_plan(x2d, weight, bias)
+        if plan is not None and isinstance(plan[0], _TimedLinear):  # the producer's own class is still open: it waits
+            return torch.ops.aten.gelu_(_projection(producer)(x))  # "separate" (in place: no hook, checked above)
+        if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and not stalled(key):
+            return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
     choice = _gelu_epilogue_choice(x2d, weight, bias, key, dnn)
     if choice == "separate_native":
         return native_gelu_(_projection(producer)(x))

@@ -142,8 +142,14 @@ def _read(path: pathlib.Path, sig: dict) -> dict[str, dict]:
 _loaded: dict[str, dict[str, dict]] = {}  # file path → its entries, read once per process (and per thread count)
 
 
+_keys: dict[tuple, str] = {}  # decision key → its JSON form: an open decision is looked up on each of its calls
+
+
 def _key(key: tuple) -> str:
-    return json.dumps(list(key), default=str)
+    text = _keys.get(key)
+    if text is None:
+        text = _keys[key] = json.dumps(list(key), default=str)
+    return text
 
 
 def stored(key: tuple) -> tuple[str, dict[str, float]] | None:

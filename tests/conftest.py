@@ -175,6 +175,16 @@ def on_proxies(monkeypatch):
     monkeypatch.setattr(fast, "settings", dataclasses.replace(fast.settings, calibrate_on_calls="off"))
 
 
+@pytest.fixture
+def timed_at_once(monkeypatch):
+    """The rounds of a linear class on its real calls start on its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=1`),
+    not once its calls have cost what a decision costs (`calibration_roformer_rope.start_budget`): for tests of the
+    rounds themselves."""
+    from modeling_roformer_rope import onednn_roformer_rope as fast
+
+    monkeypatch.setattr(fast, "settings", dataclasses.replace(fast.settings, calibrate_on_calls="on"))
+
+
 def probe_json(code: str, **env: str) -> dict:
     """Run `code` in a fresh interpreter whose environment is only `env` (the payload reads its switches at
     import); its last line of output is JSON, returned parsed."""

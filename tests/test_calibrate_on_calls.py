@@ -2,6 +2,9 @@
 _TimedLinear`): each call runs one candidate and returns its result, the rounds are those timed on proxies, and the
 model's outputs equal the built-in's on every call, while a class is timed and after."""
 
+import dataclasses
+import statistics
+
 import pytest
 import torch
 
@@ -13,6 +16,8 @@ from roformer_rope.conversion.from_transformers import convert_model
 
 needs_onednn = pytest.mark.skipif(fast._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
 LINEAR_KINDS = ("linear", "linear_packed", "linear_gelu")
+# the rounds start on a class's first call, except in the tests of when they start (`auto`, below)
+pytestmark = pytest.mark.usefixtures("timed_at_once")
 
 
 class Clock:
@@ -310,8 +315,60 @@ def test_threads_sharing_a_model_while_its_classes_are_timed_get_the_builtins_ou
         calibration.reset()
 
 
+@pytest.fixture
+def ticking(monkeypatch):
+    """`time.perf_counter` advancing by one second per reading: a call timed between two readings takes 1 s."""
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: float(next(ticks)))
+
+
 @needs_onednn
-@pytest.mark.parametrize("value", ["0", ""])
+@torch.no_grad()
+def test_a_class_runs_f_linear_until_its_calls_have_cost_a_decision_then_its_rounds_start(monkeypatch, ticking):
+    """`auto`: a linear class whose decision is open runs `F.linear` on its calls, no candidate timed, until they have
+    taken `start_budget()` seconds (START_BUDGET before any decision was measured); its rounds start on the next call."""
+    monkeypatch.setattr(fast, "settings", dataclasses.replace(fast.settings, calibrate_on_calls="auto"))
+    for kind in calibration.KINDS:
+        monkeypatch.setitem(calibration._forced, kind, None)
+    monkeypatch.setattr(calibration, "START_BUDGET", 5.0)  # five calls of the ticking clock
+    calibration.reset()
+    linear_calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(fast.F, "linear", lambda *args: linear_calls.append(1) or real_linear(*args))
+    layer = fast.RoFormerRopeLinear(48, 40)
+    x = torch.randn(16, 48)
+    key = fast._linear_key(x, layer.weight)
+    try:
+        for call in range(1, 6):
+            torch.testing.assert_close(layer(x), real_linear(x, layer.weight, layer.bias))
+            assert not calibration._trials and len(linear_calls) == call
+            assert calibration.timing_on_calls() == {key: (-1, call, 0)}
+        layer(x)  # the calls have cost 5 s: the rounds begin (the warm-up round's first candidate)
+        assert key in calibration._trials and calibration.timing_on_calls()[key][0] == 0
+    finally:
+        calibration.reset()
+
+
+def test_the_budget_is_what_the_decisions_timed_on_calls_have_cost(clock):
+    """`start_budget()` is START_BUDGET until a decision on real calls is made, then the median of what each cost:
+    the seconds of its calls beyond as many calls of the winner."""
+    assert calibration.start_budget() == calibration.START_BUDGET
+    costs = []
+    for key, seconds in ((("linear", "a"), {"fast": 1.0, "slow": 2.0}), (("linear", "b"), {"x": 1.0, "y": 4.0}),
+                         (("linear", "c"), {"p": 2.0, "q": 2.5})):  # fmt: skip
+        ran: list[str] = []
+        real = {name: (lambda name=name, cost=cost, ran=ran: clock.candidate(name, cost, ran)) for name, cost in seconds.items()}
+        while calibration.pending(key, real):
+            calibration.run_timed(key, real)
+        best = min(seconds.values())
+        costs.append(sum(seconds[name] for name in ran) - len(ran) * best)
+        assert costs[-1] > 0 and calibration.start_budget() == pytest.approx(statistics.median(costs))
+    calibration.reset()
+    assert calibration.start_budget() == calibration.START_BUDGET
+
+
+@needs_onednn
+@pytest.mark.parametrize("value", ["0", "", "1"])
 def test_the_environment_switches_timing_on_real_calls_off(value):
     probe = (
         "import json, torch; from modeling_roformer_rope import onednn_roformer_rope as f\n"
@@ -320,14 +377,17 @@ def test_the_environment_switches_timing_on_real_calls_off(value):
         "with torch.no_grad(): y = l(x)\n"
         "ok = torch.allclose(y, torch.nn.functional.linear(x, l.weight, l.bias), atol=1e-6)\n"
         "print(json.dumps({'ok': ok, 'decided': sorted(d['class'][0] for d in c.decisions()),\n"
-        "                  'timing': sorted(k[0] for k in c._trials)}))"
+        "                  'timing': sorted(k[0] for k in c._trials),\n"
+        "                  'progress': [list(p) for p in c.timing_on_calls().values()]}))"
     )
     out = probe_json(probe, ROFORMER_ROPE_CALIBRATE_ON_CALLS=value)
     assert out["ok"]
     if value == "0":  # decided on proxies before the first call
-        assert "linear" in out["decided"] and out["timing"] == []
-    else:  # one call: the first candidate's warm-up, nothing decided yet
-        assert out == {"ok": True, "decided": [], "timing": ["linear"]}
+        assert "linear" in out["decided"] and out["timing"] == [] and out["progress"] == []
+    elif value == "1":  # one call: the first candidate's warm-up, nothing decided yet
+        assert out == {"ok": True, "decided": [], "timing": ["linear"], "progress": [[0, 1, 0]]}
+    else:  # one call of a 4×16×8 GEMM, far below a decision's cost: it ran F.linear, nothing timed yet
+        assert out == {"ok": True, "decided": [], "timing": [], "progress": [[-1, 1, 0]]}
 
 
 @needs_onednn
