@@ -323,13 +323,18 @@ STALL = 32
 # When a class's rounds on real calls begin: ski rental. The rounds cost about the same whatever the class's size
 # (oneDNN primitives and packs made, the slower candidates run: 1-3 ms a decision at 64 wide, 2-17 ms at 768, logged
 # at DEBUG as "N calls costing X ms more"), so on a small class, a narrow model's GEMMs of 10-40 µs, they cost as
-# much as a hundred of its calls and could win a few µs a call; timed at once, a 2-layer 64-wide model ran ~0.6× the
-# built-in's speed over its calls 4-10 and ~1.1× after. So the caller of a class whose first decision is open runs
-# its default on the class's calls (`rent`) until they have cost what a decision costs (`start_budget`), then starts
-# the rounds: a class that recurs long enough to pay for its timing is timed, for at worst twice the time of the
-# better of the two strategies in hindsight (the ski-rental bound), and a base-width class reaches the budget within
-# its first few calls.
+# much as a hundred of its calls and could win a few µs a call; timed at once, a 2-layer 64-wide model ran ~0.5-0.7×
+# the built-in's speed over its calls 4-10 and ~1.1× after (`python bench/experiments.py --only
+# small_models_first_calls`). So the caller of a class whose first decision is open runs `F.linear` on the class's
+# calls (`rent`) until what they may have lost by it, DEFAULT_LOSS of their time, reaches what a decision costs
+# (`start_budget`), then starts the rounds: a class that recurs long enough to pay for its timing is timed, at worst
+# for twice the loss of the better strategy in hindsight (the ski-rental bound) if DEFAULT_LOSS is right, and a
+# base-width class (0.7-3 ms a call at 128 rows) starts within its first forward or two.
 START_BUDGET = 2e-3  # seconds, before this process has measured what a decision costs
+# The share of a call's time the default may lose to the best candidate: the gaps the dispatch tables of the results
+# READMEs show for an inference linear class are 1-67% (oneDNN vs `F.linear`, half within 6%), 3-8% for packs at
+# 256-2048 rows and up to 2× at one row.
+DEFAULT_LOSS = 0.25
 _costs: list[float] = []  # what each decision timed on real calls cost beyond its winner's calls (`_Rounds.cost`)
 _budget = [START_BUDGET]
 _rents: dict[tuple, list] = {}  # decision key → [seconds, calls] its class ran on the default before its rounds
@@ -343,9 +348,14 @@ def start_budget() -> float:
 
 def rent(key: tuple) -> list:
     """[seconds, calls] that key's class has run on its default so far, while its decision is open; the caller adds
-    to it each call it runs the default instead of the rounds, until the seconds reach `start_budget()`."""
+    to it each call it runs the default instead of the rounds, until `rent_paid`."""
     with _lock:
         return _rents.setdefault(key, [0.0, 0])
+
+
+def rent_paid(spent: list) -> bool:
+    """Whether a class that has run `spent` (`rent`) on its default may have lost what a decision costs."""
+    return spent[0] * DEFAULT_LOSS >= start_budget()
 
 
 def _count_cost(seconds: float) -> None:
@@ -476,5 +486,5 @@ def length_bucket(length: int) -> int:
 
 __all__ = [
     "KINDS", "choose", "decided", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo",
-    "pending", "rent", "reset", "row_bucket", "run_timed", "stalled", "start_budget", "trial_state",
+    "pending", "rent", "rent_paid", "reset", "row_bucket", "run_timed", "stalled", "start_budget", "trial_state",
 ]  # fmt: skip

@@ -32,7 +32,8 @@ kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length
 `ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory: ~2.2× each weight packed
 for MKL, ~1× for oneDNN); `ROFORMER_ROPE_CALIBRATE_ON_CALLS=0` times every inference linear class on proxies before
 its first call instead of on its real calls (`_TimedLinear`), and `=1` starts those rounds on a class's first call
-(unset or `auto`: once its calls have cost what a decision costs, `calibration_roformer_rope.start_budget`).
+(unset or `auto`: once what its calls may have lost by waiting reaches what a decision costs,
+`calibration_roformer_rope.rent_paid`).
 """
 
 import functools
@@ -58,10 +59,10 @@ from .calibration_roformer_rope import (
     memo,
     pending,
     rent,
+    rent_paid,
     row_bucket,
     run_timed,
     stalled,
-    start_budget,
     trial_state,
 )
 from .prepack_roformer_rope import (
@@ -125,7 +126,7 @@ class Settings:
     onednn_attention_min_keys: int = 384  # below this many keys SDPA's fused kernel wins on every CPU measured
     pack: str = "auto"  # packed weights at inference (MKL: float32, ≤ PACK_MAX_ROWS rows; oneDNN): "auto" | "on" | "off"
     # "off": every inference linear class is timed on proxies before its first call, never on its real calls; "on": on
-    # its real calls from its first; "auto": on its real calls once they have cost what a decision costs
+    # its real calls from its first; "auto": on its real calls once waiting may have cost what a decision costs
     calibrate_on_calls: str = "auto"
 
     @property
@@ -722,9 +723,10 @@ class _TimedLinear:
 
     def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided; on `F.linear`
-        until the class's calls have cost what timing it would (`calibration_roformer_rope.start_budget`)."""
+        until what the class's calls may have lost by it reaches what timing it costs (`calibration_roformer_rope.
+        rent_paid`)."""
         spent = self.rent
-        if spent is not None and spent[0] < start_budget():
+        if spent is not None and not rent_paid(spent):
             start = time.perf_counter()
             y = F.linear(x2d, weight, bias)
             spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1

@@ -178,7 +178,7 @@ def on_proxies(monkeypatch):
 @pytest.fixture
 def timed_at_once(monkeypatch):
     """The rounds of a linear class on its real calls start on its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=1`),
-    not once its calls have cost what a decision costs (`calibration_roformer_rope.start_budget`): for tests of the
+    not once waiting may have cost what a decision costs (`calibration_roformer_rope.rent_paid`): for tests of the
     rounds themselves."""
     from modeling_roformer_rope import onednn_roformer_rope as fast
 

@@ -325,12 +325,14 @@ def ticking(monkeypatch):
 @needs_onednn
 @torch.no_grad()
 def test_a_class_runs_f_linear_until_its_calls_have_cost_a_decision_then_its_rounds_start(monkeypatch, ticking):
-    """`auto`: a linear class whose decision is open runs `F.linear` on its calls, no candidate timed, until they have
-    taken `start_budget()` seconds (START_BUDGET before any decision was measured); its rounds start on the next call."""
+    """`auto`: a linear class whose decision is open runs `F.linear` on its calls, no candidate timed, until DEFAULT_LOSS
+    of their seconds reaches `start_budget()` (START_BUDGET before any decision was measured); its rounds start on
+    the next call."""
     monkeypatch.setattr(fast, "settings", dataclasses.replace(fast.settings, calibrate_on_calls="auto"))
     for kind in calibration.KINDS:
         monkeypatch.setitem(calibration._forced, kind, None)
-    monkeypatch.setattr(calibration, "START_BUDGET", 5.0)  # five calls of the ticking clock
+    monkeypatch.setattr(calibration, "DEFAULT_LOSS", 0.5)
+    monkeypatch.setattr(calibration, "START_BUDGET", 2.5)  # five calls of the ticking clock
     calibration.reset()
     linear_calls = []
     real_linear = torch.nn.functional.linear
@@ -343,7 +345,7 @@ def test_a_class_runs_f_linear_until_its_calls_have_cost_a_decision_then_its_rou
             torch.testing.assert_close(layer(x), real_linear(x, layer.weight, layer.bias))
             assert not calibration._trials and len(linear_calls) == call
             assert calibration.timing_on_calls() == {key: (-1, call, 0)}
-        layer(x)  # the calls have cost 5 s: the rounds begin (the warm-up round's first candidate)
+        layer(x)  # the calls took 5 s, half of which reaches the budget: the rounds begin (the warm-up's first call)
         assert key in calibration._trials and calibration.timing_on_calls()[key][0] == 0
     finally:
         calibration.reset()
