@@ -166,7 +166,8 @@ def run_first_forward(layers: int, processes: int = 3) -> Section:
         "choices\" reads what an earlier process on this machine timed (`ROFORMER_ROPE_CACHE`, "
         "`modeling_roformer_rope/stored_choices_roformer_rope.py`; one earlier process stores them before the "
         "runs, running forwards until every class is decided). `ROFORMER_ROPE_FORCE=...` fixing every decision also skips the calibration. "
-        "\"Classes still timed\": how many classes ours (nothing stored) was still timing on their real calls after the call "
+        "\"Classes still timed\": how many classes ours (nothing stored) was still timing on their real calls, or "
+        "waiting to time (`calibration_roformer_rope.rent`), after the call "
         "(`calibration_roformer_rope.timing_on_calls()`, median over its processes); weights are packed from their "
         "second call after their class is decided, so the forward after the last decision still makes packs."
     )

@@ -132,7 +132,8 @@ SETTLE_LIMIT = 64
 
 def settle(candidates: dict[str, Callable[[], object]], limit: int = SETTLE_LIMIT) -> int:
     """Warm-up rounds of every candidate while the classes our model times on its real calls move (the inference
-    linears of ≤ 256 rows: `calibration_roformer_rope.timing_on_calls`), so that the timed rounds run the choices,
+    linears of ≤ 256 rows: `calibration_roformer_rope.timing_on_calls`, which also lists those still running
+    `F.linear` until their timing may pay, `rent`), so that the timed rounds run the choices,
     not the candidates' rounds; the first forwards, which pay for them, are timed apart (`bench_generate.py`). A
     class no candidate calls (another shape's) does not move and is not waited for. Returns the rounds run."""
     from modeling_roformer_rope.calibration_roformer_rope import timing_on_calls
