@@ -106,6 +106,7 @@ def test_a_failed_run_does_not_replace_the_default_results_folder(monkeypatch, t
     assert not (tmp_path / "bench" / "results" / "some-cpu" / "quick" / "README.md").exists()
 
 
+@pytest.mark.usefixtures("timed_at_once")  # the classes' rounds start at once, not once their timing may pay
 def test_interleaved_times_our_choices_not_the_rounds_on_real_calls(monkeypatch):
     """`interleaved` warms up until every class the timed calls use is decided (`settle`), so the timed rounds run
     the choices; a class of another shape, still open, is not waited for."""
