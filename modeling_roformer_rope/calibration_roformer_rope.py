@@ -439,8 +439,8 @@ def stalled(key: tuple) -> bool:
 
 def timing_on_calls() -> dict[tuple, tuple[int, int, int]]:
     """The classes being timed on their real calls now (`run_timed`), each with how far its rounds got: (round,
-    candidate of the round, calls of another size); (-1, calls on the default, ...) while they run the default before
-    their rounds begin (`start_budget`). A benchmark warms up until these stop moving, so that its timed
+    candidate of the round, calls of another size); (-1, calls on `F.linear`, 0) while they wait for their rounds to
+    begin (`rent`, `rent_paid`). A benchmark warms up until these stop moving, so that its timed
     calls run the choices rather than the rounds (`bench/common.py`, `interleaved`)."""
     with _lock:
         progress = {key: (-1, calls, 0) for key, (_, calls) in _rents.items() if key not in _choices}
