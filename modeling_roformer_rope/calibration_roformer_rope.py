@@ -325,9 +325,9 @@ STALL = 32
 # at DEBUG as "N calls costing X ms more"), so on a small class, a narrow model's GEMMs of 10-40 µs, they cost as
 # much as a hundred of its calls and could win a few µs a call; timed at once, a 2-layer 64-wide model ran ~0.5-0.7×
 # the built-in's speed over its calls 4-10 and ~1.1× after (`python bench/experiments.py --only
-# small_models_first_calls`). So the caller of a class whose first decision is open runs `F.linear` on the class's
-# calls (`rent`) until what they may have lost by it, DEFAULT_LOSS of their time, reaches what a decision costs
-# (`start_budget`), then starts the rounds: a class that recurs long enough to pay for its timing is timed, at worst
+# small_models_first_calls`). So the caller of a class whose decision is open runs its default on the class's calls
+# (`F.linear`, the GEMM decided before, or the GEMM then aten's GELU: `rent`) until what they may have lost by it,
+# DEFAULT_LOSS of their time, reaches what a decision costs (`start_budget`), then starts the rounds: a class that recurs long enough to pay for its timing is timed, at worst
 # for twice the loss of the better strategy in hindsight (the ski-rental bound) if DEFAULT_LOSS is right, and a
 # base-width class (0.7-3 ms a call at 128 rows) starts within its first forward or two.
 START_BUDGET = 2e-3  # seconds, before this process has measured what a decision costs

@@ -31,8 +31,8 @@ measuring (unset or `auto`: measure); `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1|auto` 
 kernel; `ROFORMER_ROPE_ONEDNN_ATTENTION_MIN_KEYS=n` is the kernel's lower length limit (default 384 keys);
 `ROFORMER_ROPE_PACK=0|1|auto` the same for packed weights (`=0` also saves their memory: ~2.2× each weight packed
 for MKL, ~1× for oneDNN); `ROFORMER_ROPE_CALIBRATE_ON_CALLS=0` times every inference linear class on proxies before
-its first call instead of on its real calls (`_TimedLinear`), and `=1` starts those rounds on a class's first call
-(unset or `auto`: once what its calls may have lost by waiting reaches what a decision costs,
+its first call instead of on its real calls (`_TimedLinear`), and `=1` starts the rounds of a decision on its class's
+first call (unset or `auto`: once what its calls may have lost by waiting reaches what a decision costs,
 `calibration_roformer_rope.rent_paid`).
 """
 
@@ -599,9 +599,9 @@ def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         timed = _TimedLinear(onednn, mkl, dnn)
         key = timed.open_decision(x2d, weight)
         if key is not None:
-            # the class's first decision (`linear`; `linear_packed` where oneDNN does not apply) waits for its rent
-            if (key[0] == "linear" or not onednn) and settings.calibrate_on_calls == "auto":
+            if settings.calibrate_on_calls == "auto":  # the decision's rounds wait until they may pay (`rent`)
                 timed.rent = rent(key)
+                timed.waiting_gemm = F.linear if key[0] == "linear" else _unpacked_gemm(x2d, weight, bias, onednn)
             return timed, None
     gemm = _unpacked_gemm(x2d, weight, bias, onednn)
     if not (mkl or dnn):
@@ -706,7 +706,8 @@ class _TimedLinear:
 
     def __init__(self, onednn: bool, mkl: bool, dnn: bool):
         self.onednn, self.mkl, self.dnn = onednn, mkl, dnn
-        self.rent = None  # [seconds, calls] on `F.linear` before the rounds of the class's first decision (`rent`)
+        self.rent = None  # [seconds, calls] on `waiting_gemm` before the rounds of the open decision (`rent`)
+        self.waiting_gemm = F.linear  # what the calls run meanwhile: `F.linear`, or the unpacked GEMM once decided
 
     def _pack_paths(self) -> tuple[str, ...]:
         return ("unpacked",) + ("packed",) * self.mkl + ("onednn_packed",) * self.dnn
@@ -722,13 +723,13 @@ class _TimedLinear:
         return None
 
     def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided; on `F.linear`
-        until what the class's calls may have lost by it reaches what timing it costs (`calibration_roformer_rope.
-        rent_paid`)."""
+        """x2d (N, I) → (N, O) on the candidate being timed, or the plan once the class is decided; on
+        `waiting_gemm` until what the class's calls may have lost by it reaches what timing its open decision costs
+        (`calibration_roformer_rope.rent_paid`)."""
         spent = self.rent
         if spent is not None and not rent_paid(spent):
             start = time.perf_counter()
-            y = F.linear(x2d, weight, bias)
+            y = self.waiting_gemm(x2d, weight, bias)
             spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1
             return y
         key = self.open_decision(x2d, weight)
@@ -1117,6 +1118,12 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
         if plan is not None and isinstance(plan[0], _TimedLinear):  # the producer's own class is still open: it waits
             return torch.ops.aten.gelu_(_projection(producer)(x))  # "separate" (in place: no hook, checked above)
         if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and not stalled(key):
+            spent = rent(key) if settings.calibrate_on_calls == "auto" else None
+            if spent is not None and not rent_paid(spent):  # waits until its rounds may pay, on "separate"
+                start = time.perf_counter()
+                y = torch.ops.aten.gelu_(_projection(producer)(x))
+                spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1
+                return y
             return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
     choice = _gelu_epilogue_choice(x2d, weight, bias, key, dnn)
     if choice == "separate_native":

@@ -162,15 +162,17 @@ def assert_bf16_autocast_mlm_step_matches_builtin() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _classes_wait_afresh():
-    """Each test's inference linear classes wait for their rounds on real calls from nothing (`calibration_roformer_rope.
-    rent`, at START_BUDGET): what earlier tests ran does not decide in which of this test's calls a class switches from
-    `F.linear` to its rounds (two calls of one input, compared bit for bit, could straddle the switch)."""
+def _classes_wait(monkeypatch):
+    """An inference linear class whose decision is open runs `F.linear` on its real calls for the whole test
+    (`calibration_roformer_rope.rent`, START_BUDGET infinite): its switch to the rounds would otherwise fall on a call
+    that depends on the host's speed and on what earlier tests ran, and two calls of one input that a test compares
+    bit for bit could straddle it. The rounds' own tests start them at once (`timed_at_once`) or set a budget."""
     from modeling_roformer_rope import calibration_roformer_rope as calibration
 
+    monkeypatch.setattr(calibration, "START_BUDGET", float("inf"))
     calibration._rents.clear()
     calibration._costs.clear()
-    calibration._forget_derived()  # the plans holding the old waits
+    calibration._forget_derived()  # the plans holding earlier tests' waits
 
 
 @pytest.fixture
