@@ -118,7 +118,7 @@ def forced(kind: str) -> str | None:
 def reset() -> None:
     """Forget every choice made in this process (a choice stored on disk is read again on its next use)."""
     _choices.clear()
-    for state in (_trials, _rents, *_trial_states):
+    for state in (_trials, _rents, _waited, *_trial_states):
         state.clear()
     _timings.clear()
     _from_store.clear()
@@ -327,7 +327,9 @@ STALL = 32
 # the built-in's speed over its calls 4-10 and ~1.1× after (`python bench/experiments.py --only
 # small_models_first_calls`). So the caller of a class whose decision is open runs its default on the class's calls
 # (`F.linear`, the GEMM decided before, or the GEMM then aten's GELU: `rent`) until what they may have lost by it,
-# DEFAULT_LOSS of their time, reaches what a decision costs (`start_budget`), then starts the rounds: a class that recurs long enough to pay for its timing is timed, at worst
+# DEFAULT_LOSS of their time, reaches what a decision costs (`start_budget`), then starts the rounds; the class's
+# later decisions start at once once its first one's wait was paid (waiting for each, a 12-layer model's first 1×128
+# forwards ran 0.73-0.89× the built-in's over calls 3-12 against 0.80-1.09× so, `--only first_forwards`, c8dd615): a class that recurs long enough to pay for its timing is timed, at worst
 # for twice the loss of the better strategy in hindsight (the ski-rental bound) if DEFAULT_LOSS is right, and a
 # base-width class (0.7-3 ms a call at 128 rows) starts within its first forward or two.
 START_BUDGET = 2e-3  # seconds, before this process has measured what a decision costs
@@ -338,6 +340,7 @@ DEFAULT_LOSS = 0.25
 _costs: list[float] = []  # what each decision timed on real calls cost beyond its winner's calls (`_Rounds.cost`)
 _budget = [START_BUDGET]
 _rents: dict[tuple, list] = {}  # decision key → [seconds, calls] its class ran on the default before its rounds
+_waited: set[tuple] = set()  # decisions whose rounds began after their wait was paid (`rent`'s `after`)
 
 
 def start_budget() -> float:
@@ -346,11 +349,16 @@ def start_budget() -> float:
     return _budget[0] if _costs else START_BUDGET
 
 
-def rent(key: tuple) -> list:
+def rent(key: tuple, after: tuple = ()) -> list:
     """[seconds, calls] that key's class has run on its default so far, while its decision is open; the caller adds
-    to it each call it runs the default instead of the rounds, until `rent_paid`."""
+    to it each call it runs the default instead of the rounds, until `rent_paid`. `after`: the class's decisions that
+    come before this one (`linear` before `linear_packed`, the producer's before its GELU's); if one of their waits was
+    paid, the class has shown it recurs enough, and this one starts at once."""
     with _lock:
-        return _rents.setdefault(key, [0.0, 0])
+        spent = _rents.get(key)
+        if spent is None:
+            spent = _rents[key] = [float("inf") if any(k in _waited for k in after) else 0.0, 0]
+        return spent
 
 
 def rent_paid(spent: list) -> bool:
@@ -385,6 +393,8 @@ def run_timed(
             rounds = _trials.get(key)
             if rounds is None:
                 rounds = _trials[key] = _Rounds(candidates, size)
+                if key in _rents:  # it waited (`rent`), and the wait is paid
+                    _waited.add(key)
         if size != rounds.size:
             rounds.misses += 1
             return otherwise()

@@ -600,7 +600,7 @@ def _decide_inference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         key = timed.open_decision(x2d, weight)
         if key is not None:
             if settings.calibrate_on_calls == "auto":  # the decision's rounds wait until they may pay (`rent`)
-                timed.rent = rent(key)
+                timed.rent = rent(key, (_linear_key(x2d, weight),) if key[0] == "linear_packed" else ())
                 timed.waiting_gemm = F.linear if key[0] == "linear" else _unpacked_gemm(x2d, weight, bias, onednn)
             return timed, None
     gemm = _unpacked_gemm(x2d, weight, bias, onednn)
@@ -1118,7 +1118,8 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
         if plan is not None and isinstance(plan[0], _TimedLinear):  # the producer's own class is still open: it waits
             return torch.ops.aten.gelu_(_projection(producer)(x))  # "separate" (in place: no hook, checked above)
         if pending(key, _GELU_PATHS if dnn else _GELU_PATHS[:-1]) and not stalled(key):
-            spent = rent(key) if settings.calibrate_on_calls == "auto" else None
+            after = (_linear_key(x2d, weight), _packed_key(x2d, weight))  # the producer's decisions
+            spent = rent(key, after) if settings.calibrate_on_calls == "auto" else None
             if spent is not None and not rent_paid(spent):  # waits until its rounds may pay, on "separate"
                 start = time.perf_counter()
                 y = torch.ops.aten.gelu_(_projection(producer)(x))

@@ -369,6 +369,17 @@ def test_the_budget_is_what_the_decisions_timed_on_calls_have_cost(clock):
     assert calibration.start_budget() == calibration.START_BUDGET
 
 
+def test_a_later_decision_of_a_class_whose_wait_was_paid_starts_at_once(clock):
+    """A class's first decision waits (`rent`); once that wait was paid and its rounds began, the class's next
+    decision (`after` it) starts at once, while one after a decision that never waited (decided another way) waits."""
+    first, later = ("linear", "test", 1), ("linear_packed", "test", 1)
+    elsewhere, its_later = ("linear", "test", 2), ("linear_packed", "test", 2)
+    assert not calibration.rent_paid(calibration.rent(first))  # START_BUDGET is infinite in tests (conftest)
+    calibration.run_timed(first, {name: (lambda name=name: clock.candidate(name, 1.0, [])) for name in ("a", "b")})
+    assert calibration.rent_paid(calibration.rent(later, (first,)))
+    assert not calibration.rent_paid(calibration.rent(its_later, (elsewhere,)))
+
+
 @needs_onednn
 @pytest.mark.parametrize("value", ["0", "", "1"])
 def test_the_environment_switches_timing_on_real_calls_off(value):
