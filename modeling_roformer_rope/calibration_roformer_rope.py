@@ -327,11 +327,12 @@ STALL = 32
 # the built-in's speed over its calls 4-10 and ~1.1× after (`python bench/experiments.py --only
 # small_models_first_calls`). So the caller of a class whose decision is open runs its default on the class's calls
 # (`F.linear`, the GEMM decided before, or the GEMM then aten's GELU: `rent`) until what they may have lost by it,
-# DEFAULT_LOSS of their time, reaches what a decision costs (`start_budget`), then starts the rounds; the class's
-# later decisions start at once once its first one's wait was paid (waiting for each, a 12-layer model's first 1×128
-# forwards ran 0.71-0.89× the built-in's over calls 3-12 against 0.80-1.09× so, `--only first_forwards`, c8dd615): a class that recurs long enough to pay for its timing is timed, at worst
-# for twice the loss of the better strategy in hindsight (the ski-rental bound) if DEFAULT_LOSS is right, and a
-# base-width class (0.7-3 ms a call at 128 rows) starts within its first forward or two.
+# DEFAULT_LOSS of their time, reaches what a decision costs (`start_budget`), then starts the rounds. A class that
+# recurs long enough to pay for its timing is timed, at worst for twice the loss of the better strategy in hindsight
+# (the ski-rental bound) if DEFAULT_LOSS is right, and a base-width class (0.7-3 ms a call at 128 rows) starts within
+# its first forward or two. The class's later decisions start at once after a paid wait: waiting for each, a 12-layer
+# model's first 1×128 forwards ran 0.71-0.89× the built-in's over calls 3-12, against 0.80-1.09× so (`--only
+# first_forwards --layers 12`, c8dd615 and 5ef6ee8).
 START_BUDGET = 2e-3  # seconds, before this process has measured what a decision costs
 # The share of a call's time the default may lose to the best candidate: the gaps the dispatch tables of the results
 # READMEs show for an inference linear class are 1-67% (oneDNN vs `F.linear`, half within 6%), 3-8% for packs at
