@@ -101,6 +101,7 @@ def force(kind: str, path: str | None) -> None:
     for state in (_trials, _rents, *_trial_states):
         for key in [k for k in state if k[0] == kind]:
             del state[key]
+    _waited.difference_update([k for k in _waited if k[0] == kind])
     _forget_derived()
 
 
@@ -367,6 +368,14 @@ def rent_paid(spent: list) -> bool:
     return spent[0] * DEFAULT_LOSS >= start_budget()
 
 
+def run_waiting(spent: list, default: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """default(*args), timed and added to `spent` (`rent`): one call of a class that waits for its rounds."""
+    start = time.perf_counter()
+    result = default(*args)
+    spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1
+    return result
+
+
 def _count_cost(seconds: float) -> None:
     _costs.append(max(0.0, seconds))
     _budget[0] = statistics.median(_costs)
@@ -496,6 +505,7 @@ def length_bucket(length: int) -> int:
 
 
 __all__ = [
-    "KINDS", "choose", "decided", "decisions", "force", "force_default", "forced", "from_store", "length_bucket", "measured", "memo",
-    "pending", "rent", "rent_paid", "reset", "row_bucket", "run_timed", "stalled", "start_budget", "trial_state",
+    "KINDS", "choose", "decided", "decisions", "force", "force_default", "forced", "from_store", "length_bucket",
+    "measured", "memo", "pending", "rent", "rent_paid", "reset", "row_bucket", "run_timed", "run_waiting", "stalled",
+    "start_budget", "trial_state",
 ]  # fmt: skip

@@ -40,7 +40,6 @@ import functools
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ from .calibration_roformer_rope import (
     rent_paid,
     row_bucket,
     run_timed,
+    run_waiting,
     stalled,
     trial_state,
 )
@@ -728,10 +728,7 @@ class _TimedLinear:
         (`calibration_roformer_rope.rent_paid`)."""
         spent = self.rent
         if spent is not None and not rent_paid(spent):
-            start = time.perf_counter()
-            y = self.waiting_gemm(x2d, weight, bias)
-            spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1
-            return y
+            return run_waiting(spent, self.waiting_gemm, x2d, weight, bias)
         key = self.open_decision(x2d, weight)
         if key is None:  # decided meanwhile by another way (a choice another process stored, a thread's call)
             return _run_plan(x2d, weight, bias, *_decide_inference(x2d, weight, bias, self.onednn, False))
@@ -1121,10 +1118,7 @@ def linear_activation(x: torch.Tensor, producer: nn.Linear, act_fn: nn.Module) -
             after = (_linear_key(x2d, weight), _packed_key(x2d, weight))  # the producer's decisions
             spent = rent(key, after) if settings.calibrate_on_calls == "auto" else None
             if spent is not None and not rent_paid(spent):  # waits until its rounds may pay, on "separate"
-                start = time.perf_counter()
-                y = torch.ops.aten.gelu_(_projection(producer)(x))
-                spent[0], spent[1] = spent[0] + time.perf_counter() - start, spent[1] + 1
-                return y
+                return run_waiting(spent, lambda: torch.ops.aten.gelu_(_projection(producer)(x)))
             return _timed_linear_gelu(key, x, x2d, producer, act_fn, dnn)
     choice = _gelu_epilogue_choice(x2d, weight, bias, key, dnn)
     if choice == "separate_native":

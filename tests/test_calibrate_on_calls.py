@@ -369,7 +369,7 @@ def test_the_budget_is_what_the_decisions_timed_on_calls_have_cost(clock):
     assert calibration.start_budget() == calibration.START_BUDGET
 
 
-def test_a_later_decision_of_a_class_whose_wait_was_paid_starts_at_once(clock):
+def test_a_later_decision_of_a_class_whose_wait_was_paid_starts_at_once(clock, monkeypatch):
     """A class's first decision waits (`rent`); once that wait was paid and its rounds began, the class's next
     decision (`after` it) starts at once, while one after a decision that never waited (decided another way) waits."""
     first, later = ("linear", "test", 1), ("linear_packed", "test", 1)
@@ -378,6 +378,10 @@ def test_a_later_decision_of_a_class_whose_wait_was_paid_starts_at_once(clock):
     calibration.run_timed(first, {name: (lambda name=name: clock.candidate(name, 1.0, [])) for name in ("a", "b")})
     assert calibration.rent_paid(calibration.rent(later, (first,)))
     assert not calibration.rent_paid(calibration.rent(its_later, (elsewhere,)))
+    monkeypatch.setitem(calibration._forced, "linear", calibration.forced("linear"))  # restored after the test
+    calibration.force("linear", None)  # measure the kind again: its paid waits are forgotten with its rounds
+    calibration._rents.pop(later)
+    assert not calibration.rent_paid(calibration.rent(later, (first,)))
 
 
 @needs_onednn
