@@ -172,6 +172,7 @@ def _classes_wait(monkeypatch):
     monkeypatch.setattr(calibration, "START_BUDGET", float("inf"))
     calibration._rents.clear()
     calibration._costs.clear()
+    calibration._waited.clear()  # an earlier test's paid wait would let a later decision start at once here
     calibration._forget_derived()  # the plans holding earlier tests' waits
 
 
