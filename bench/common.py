@@ -136,19 +136,11 @@ def settle(candidates: dict[str, Callable[[], object]], limit: int = SETTLE_LIMI
     `F.linear` until their timing may pay, `rent`), so that the timed rounds run the choices,
     not the candidates' rounds; the first forwards, which pay for them, are timed apart (`bench_generate.py`). A
     class no candidate calls (another shape's) does not move and is not waited for. Returns the rounds run."""
-    from modeling_roformer_rope.calibration_roformer_rope import timing_on_calls
+    from modeling_roformer_rope.calibration_roformer_rope import run_until_still, timing_on_calls
 
-    rounds = 0
-    before = timing_on_calls()
-    while before and rounds < limit:
-        for call in candidates.values():
-            call()
-        rounds += 1
-        after = timing_on_calls()
-        if all(before.get(key) == progress for key, progress in after.items()):
-            break  # nothing this shape calls is being timed any more
-        before = after
-    return rounds
+    if not timing_on_calls():
+        return 0
+    return run_until_still(lambda: [call() for call in candidates.values()], limit)
 
 
 def settle_note(settled: dict[str, int]) -> str:

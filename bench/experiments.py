@@ -44,8 +44,9 @@ Experiments
 - small_models_first_calls: the first 100 forwards of fresh processes of narrow models (64-256 wide) and a 768-wide
   one on short inputs, built-in and ours alternating in each process, ours as built (a linear class's rounds on its
   real calls start once its calls have cost what a decision costs: `calibration_roformer_rope.start_budget`) vs
-  ours starting them on its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=1`): ratios over calls 1, 2-3, 4-10,
-  11-40 and 41-100.
+  ours starting them on its first call (`ROFORMER_ROPE_CALIBRATE_ON_CALLS=1`) vs ours reading the choices a process
+  before stored by warming up at the same input (`warm_up`, what `roformer-rope calibrate` runs): ratios over calls
+  1, 2-3, 4-10, 11-40 and 41-100.
 - emulated_gemm: for a dtype the CPU has no instructions for (bf16 on AVX2, fp16 without AMX-FP16), torch's
   emulated GEMM vs the float32 GEMM on converted operands, whole weight vs slice by slice (`_upcast_linear`),
   forward and backward, with each one's error against the rounded float32 product.
@@ -1146,21 +1147,41 @@ print(json.dumps(dict(times=times, open=open_classes)))
 FIRST_CALLS_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), (256, 4, 4, 8, 128),
                       (768, 12, 4, 1, 32))  # fmt: skip
 FIRST_CALLS_RANGES = ((0, 1), (1, 3), (3, 10), (10, 40), (40, 100))
+# Ahead of the "stored ahead" side: a process that builds the same model and warms it up at the same input
+# (`calibration_roformer_rope.warm_up`, what `roformer-rope calibrate` runs), storing the choices for the side's.
+WARM_UP_CHILD = """
+import sys, torch
+torch.set_num_threads({threads})
+sys.path.insert(0, {bench!r})
+from common import make_pair, random_batch
+from modeling_roformer_rope.calibration_roformer_rope import warm_up
+hidden, heads, layers, batch, length = {geometry}
+builtin, ours = make_pair(layers, 512, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                          vocab_size=5000)
+inputs = random_batch(batch, length, vocab=5000)
+with torch.no_grad():
+    warm_up(lambda: ours(**inputs))
+"""
 
 
 def small_models_first_calls(processes: int = 3, calls: int = 100) -> None:
     """The first `calls` forwards of fresh processes (`FIRST_CALLS_CHILD`), built-in and ours alternating in each;
-    ours as built vs with its linear classes' rounds on real calls starting at their first call. Per range of calls:
-    the median over processes of the range's summed built-in time over its summed ours."""
+    ours as built vs with its linear classes' rounds on real calls starting at their first call vs reading the
+    choices a process before stored by warming up at the same input (`WARM_UP_CHILD`: `roformer-rope calibrate`).
+    Per range of calls: the median over processes of the range's summed built-in time over its summed ours."""
     import json
     import os
+    import shutil
     import statistics
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
     print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
-    sides = {"as built": {}, "rounds from the first call": {"ROFORMER_ROPE_CALIBRATE_ON_CALLS": "1"}}
+    store = tempfile.mkdtemp(prefix="roformer-rope-ahead-")
+    ahead = "stored ahead (`warm_up`)"
+    sides = {"as built": {}, "rounds from the first call": {"ROFORMER_ROPE_CALIBRATE_ON_CALLS": "1"}, ahead: {}}
     ranges = " | ".join(f"calls {lo + 1}-{hi}" if hi - lo > 1 else f"call {hi}" for lo, hi in FIRST_CALLS_RANGES)
     print(f"| hidden × layers | B×T | ours | {ranges} | built-in ms per call (calls 41-100) | classes open after "
           "call 10 / 40 / 100 |")
@@ -1169,6 +1190,11 @@ def small_models_first_calls(processes: int = 3, calls: int = 100) -> None:
         code = FIRST_CALLS_CHILD.format(threads=torch.get_num_threads(), bench=str(Path(__file__).parent),
                                         geometry=geometry, calls=calls)  # fmt: skip
         runs: dict[str, list[dict]] = {side: [] for side in sides}
+        sides[ahead] = {"ROFORMER_ROPE_CACHE": os.path.join(store, "x".join(map(str, geometry)))}
+        warm_up = WARM_UP_CHILD.format(threads=torch.get_num_threads(), bench=str(Path(__file__).parent),
+                                       geometry=geometry)  # fmt: skip
+        subprocess.run([sys.executable, "-c", warm_up], capture_output=True, text=True, check=True,
+                       env={**os.environ, **sides[ahead]})  # fmt: skip
         for _ in range(processes):
             for side, env in sides.items():  # alternating, each in a fresh process
                 out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -1182,6 +1208,7 @@ def small_models_first_calls(processes: int = 3, calls: int = 100) -> None:
             still = [statistics.median(r["open"][i - 1] for r in results) for i in (10, 40, calls)]
             print(f"| {hidden} × {layers} | {batch}×{length} | {side} | " + " | ".join(f"{x:.2f}×" for x in ratios)
                   + f" | {1e3 * late:.2f} | {' / '.join(f'{x:g}' for x in still)} |", flush=True)
+    shutil.rmtree(store, ignore_errors=True)
 
 
 # (in, out, rows measured forward, rows measured backward): the encoder's MLP shapes and the vocabulary projection.

@@ -343,6 +343,7 @@ _costs: list[float] = []  # what each decision timed on real calls cost beyond i
 _budget = [START_BUDGET]
 _rents: dict[tuple, list] = {}  # decision key → [seconds, calls] its class ran on the default before its rounds
 _waited: set[tuple] = set()  # decisions whose rounds began after their wait was paid (`rent`'s `after`)
+_no_wait = [False]  # `warm_up` is running: every wait counts as paid (`rent_paid`), so rounds begin at once
 
 
 def start_budget() -> float:
@@ -365,6 +366,8 @@ def rent(key: tuple, after: tuple = ()) -> list:
 
 def rent_paid(spent: list) -> bool:
     """Whether a class that has run `spent` (`rent`) on its default may have lost what a decision costs."""
+    if _no_wait[0]:
+        spent[0] = float("inf")  # asked for by `warm_up`: paid for good, so its rounds, once begun, do not pause
     return spent[0] * DEFAULT_LOSS >= start_budget()
 
 
@@ -451,6 +454,33 @@ def run_timed(
     return otherwise() if call is None else call()
 
 
+def warm_up(call: Callable[[], object], limit: int = 64) -> int:
+    """Run `call` (a forward at the shapes to come) until the classes its calls time on their real calls are decided,
+    their rounds starting at once rather than after the wait of `rent` (the caller asks for them now); the classes
+    timed on proxies are decided on its first run. Returns the runs it took (1 to `limit`). What a timing loop or a
+    server runs before its first timed or served call: its calls then run the choices from the first. The choices
+    are stored for the next process, as any are (`stored_choices_roformer_rope.py`)."""
+    _no_wait[0] = True
+    try:
+        return run_until_still(call, limit)
+    finally:
+        _no_wait[0] = False
+
+
+def run_until_still(call: Callable[[], object], limit: int) -> int:
+    """Run `call` until the classes timed on their real calls (`timing_on_calls`) stop moving between two runs (those
+    left, if any, are other shapes' or wait), at most `limit` runs; returns the runs (at least one)."""
+    runs, before = 0, timing_on_calls()
+    while runs < limit:
+        call()
+        runs += 1
+        after = timing_on_calls()
+        if not after or all(before.get(key) == progress for key, progress in after.items()):
+            break
+        before = after
+    return runs
+
+
 def stalled(key: tuple) -> bool:
     """Whether key's rounds on real calls have met STALL calls of other sizes: decide it on proxies (`choose`)."""
     rounds = _trials.get(key)
@@ -506,6 +536,6 @@ def length_bucket(length: int) -> int:
 
 __all__ = [
     "KINDS", "choose", "decided", "decisions", "force", "force_default", "forced", "from_store", "length_bucket",
-    "measured", "memo", "pending", "rent", "rent_paid", "reset", "row_bucket", "run_timed", "run_waiting", "stalled",
-    "start_budget", "trial_state",
+    "measured", "memo", "pending", "rent", "rent_paid", "reset", "row_bucket", "run_timed", "run_until_still",
+    "run_waiting", "stalled", "start_budget", "timing_on_calls", "trial_state", "warm_up",
 ]  # fmt: skip

@@ -125,6 +125,11 @@ def _here() -> tuple[dict, pathlib.Path | None]:
     return _where[2], _where[3]
 
 
+def file() -> pathlib.Path | None:
+    """The file this process's choices are stored in and read from (its machine signature's), None when off."""
+    return _here()[1]
+
+
 def _read(path: pathlib.Path, sig: dict) -> dict[str, dict]:
     """The stored entries of `path` ({json key: {"choice", "ms"}}), {} when absent, unreadable or not this signature."""
     try:
@@ -197,4 +202,4 @@ def forget_loaded() -> None:
     _loaded.clear()
 
 
-__all__ = ["folder", "forget_loaded", "signature", "store", "stored"]
+__all__ = ["file", "folder", "forget_loaded", "signature", "store", "stored"]

@@ -49,6 +49,9 @@ COMMANDS: dict[str, Command] = {
     "pretrain": Command("roformer_rope.scripts.pretrain", "multi-stage Chinese MLM pretraining (DeepSpeed ZeRO)"),
     "finetune": Command("roformer_rope.scripts.finetune", "fine-tune a RoFormerRope model with the Trainer"),
     "quickstart": Command("roformer_rope.scripts.quickstart", "the `make quickstart` job on the embedded defaults"),
+    "calibrate": Command(
+        "roformer_rope.scripts.calibrate", "time this CPU's fast paths for a model ahead and store the choices"
+    ),
 }
 
 # Import name of an optional dependency → (pip package, roformer-rope extra that installs it; setup.cfg).

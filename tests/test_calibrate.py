@@ -1,0 +1,172 @@
+"""Calibrating ahead: `calibration_roformer_rope.warm_up` decides what a forward's calls time without the wait of
+`rent`, and `roformer-rope calibrate` stores those choices where a user's later process (the folder's code,
+`trust_remote_code=True`) reads every one of them from its first call."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import modeling_roformer_rope as rr
+from conftest import builtin_model, padded_batch, randomise_, tiny_config
+from modeling_roformer_rope import calibration_roformer_rope as calibration
+from modeling_roformer_rope import onednn_roformer_rope as fast
+from roformer_rope import cli
+from roformer_rope.conversion.from_transformers import convert_model
+from roformer_rope.scripts import calibrate
+
+needs_onednn = pytest.mark.skipif(fast._LINEAR_POINTWISE is None, reason="this torch build has no oneDNN linear op")
+
+
+def _waiting(progress: dict) -> set:
+    return {key for key, (round_, _, _) in progress.items() if round_ == -1}
+
+
+@needs_onednn
+@torch.no_grad()
+def test_warm_up_decides_what_a_forward_times_without_waiting_and_outputs_stay_the_builtins():
+    calibration.reset()
+    builtin = builtin_model("RoFormerForMaskedLM")
+    ours = convert_model(builtin).eval()
+    inputs = padded_batch(batch=1, seq_len=8)
+    expected = builtin(**inputs).logits
+    for _ in range(3):  # the suite's wait is infinite (conftest): the classes run F.linear and wait
+        torch.testing.assert_close(ours(**inputs).logits, expected, atol=1e-5, rtol=1e-5)
+    waiting = _waiting(calibration.timing_on_calls())
+    assert {key[0] for key in waiting} == {"linear"} and {key[-1] for key in waiting} == {16}, waiting
+
+    calls = []
+    runs = calibration.warm_up(lambda: calls.append(ours(**inputs).logits))
+    assert runs == len(calls) and 2 <= runs < 64
+    assert calibration.timing_on_calls() == {}
+    decided = {tuple(d["class"]) for d in calibration.decisions()}
+    for key in waiting:  # each waiting class: its GEMM, then its packs, decided
+        assert key in decided and ("linear_packed", *key[1:]) in decided
+    assert any(key[0] == "linear_gelu" for key in decided)
+    for logits in calls:  # every call of the rounds, each on one candidate, and the choices after them
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours(**inputs).logits, expected, atol=1e-5, rtol=1e-5)
+
+    other = padded_batch(batch=4, seq_len=40)  # 160 rows: other classes, which wait again after `warm_up`
+    ours(**other), ours(**other)
+    progress = calibration.timing_on_calls()
+    assert progress and set(progress) == _waiting(progress), progress
+    calibration.reset()
+
+
+def test_run_until_still_stops_once_nothing_moves(monkeypatch):
+    states = iter([{}, {"a": (0, 0, 0)}, {"a": (0, 1, 0)}, {"a": (0, 1, 0)}, {"a": (9, 9, 9)}])
+    monkeypatch.setattr(calibration, "timing_on_calls", lambda: next(states))
+    calls = []
+    assert calibration.run_until_still(lambda: calls.append(1), limit=10) == 3 == len(calls)
+    monkeypatch.setattr(calibration, "timing_on_calls", lambda: {"a": (0, len(calls), 0)})  # always moving
+    calls.clear()
+    assert calibration.run_until_still(lambda: calls.append(1), limit=5) == 5
+    monkeypatch.setattr(calibration, "timing_on_calls", dict)  # nothing open: one run
+    assert calibration.run_until_still(lambda: None, limit=5) == 1
+
+
+@pytest.mark.parametrize(
+    "text, shapes",
+    [("1x32", [(1, 32)]), ("1x32, 8X128,", [(1, 32), (8, 128)])],
+)
+def test_shapes_parse(text, shapes):
+    assert calibrate.parse_shapes(text) == shapes
+
+
+def test_the_auto_class_follows_the_first_architecture():
+    config = {"architectures": ["RoFormerRopeForSequenceClassification"],
+              "auto_map": {"AutoConfig": "configuration_roformer_rope.RoFormerRopeConfig",
+                           "AutoModel": "modeling_roformer_rope.RoFormerRopeModel",
+                           "AutoModelForSequenceClassification":
+                               "modeling_roformer_rope.RoFormerRopeForSequenceClassification"}}  # fmt: skip
+    assert calibrate.auto_class_name(config) == "AutoModelForSequenceClassification"
+    assert calibrate.auto_class_name({"architectures": ["Other"]}) == "AutoModel"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    randomise_(rr.RoFormerRopeForMaskedLM(tiny_config()).eval()).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--shapes", "8"], {}, "--shapes: '8' is not BATCHxLENGTH"),
+        (["--shapes", "2x0"], {}, "--shapes: '2x0' is not BATCHxLENGTH"),
+        (["--shapes", ","], {}, "--shapes: no shape given"),
+        (["--threads", "0"], {}, "--threads: 0"),
+        (["--shapes", "1x65", "--installed-code"], {"cache": True}, "length 65 > the model's max_position_embeddings (64)"),
+        (["--installed-code"], {}, "ROFORMER_ROPE_CACHE switches stored choices off"),
+        (["--auto", "AutoTokenizer"], {}, "--auto: 'AutoTokenizer' is not a transformers AutoModel class"),
+    ],
+)
+def test_bad_input_is_one_line_naming_it(saved, tmp_path, monkeypatch, capsys, args, env, message):
+    if env.get("cache"):
+        monkeypatch.setenv("ROFORMER_ROPE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["calibrate", str(saved), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("roformer-rope calibrate: error: ") and message in err, err
+
+
+def test_a_folder_that_is_not_ours_is_refused(tmp_path, capsys):
+    assert cli.main(["calibrate", str(tmp_path / "absent")]) == 2
+    assert "absent: not a folder" in capsys.readouterr().err
+    assert cli.main(["calibrate", str(tmp_path)]) == 2
+    assert "config.json: missing" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "roformer"}))
+    assert cli.main(["calibrate", str(tmp_path)]) == 2
+    assert "model_type is 'roformer', not 'roformer_rope'" in capsys.readouterr().err
+
+
+# A user's later process: the folder's code (trust_remote_code), the same thread count; how many of the decisions a
+# forward at 2×16 makes were read from the store, and how many classes are still open after four forwards.
+USER = textwrap.dedent(
+    """
+    import importlib, json, sys, torch, transformers
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    calibration = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".calibration_roformer_rope")
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        for _ in range(4):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    keys = [tuple(d["class"]) for d in calibration.decisions()]
+    print(json.dumps({"module": type(model).__module__, "decisions": len(keys),
+                      "stored": sum(calibration.from_store(k) for k in keys),
+                      "open": len(calibration.timing_on_calls())}))
+    """
+)
+
+
+@needs_onednn
+def test_a_later_process_reads_every_choice_the_command_stored(saved, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), ROFORMER_ROPE_CACHE=str(tmp_path / "cache"))
+    command = [sys.executable, "-m", "roformer_rope", "calibrate", str(saved), "--shapes", "1x8,2x16", "--threads", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    stored_in = done.stdout.strip().splitlines()[-1].removeprefix("stored in ")
+    choices = json.loads(open(stored_in, encoding="utf-8").read())["choices"]
+    rows = {json.loads(key)[-1] for key in choices if json.loads(key)[0] == "linear"}
+    assert rows == {16, 64}, choices  # the row buckets of 1×8 and 2×16 tokens
+    assert "| ('linear_gelu', 'torch.float32', 32, 37, 64) |" in done.stdout
+
+    def user(cache):
+        run = subprocess.run([sys.executable, "-c", USER, str(saved)], capture_output=True, text=True, cwd=tmp_path,
+                             env={**env, "ROFORMER_ROPE_CACHE": str(cache)})  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    later = user(tmp_path / "cache")
+    assert later["module"].startswith("transformers_modules."), later  # the folder's code, as the command ran
+    assert later["open"] == 0 and later["decisions"] == later["stored"] > 0, later
+    elsewhere = user(tmp_path / "empty")  # the control: without the command's file, the classes are still timed
+    assert elsewhere["open"] > 0 and elsewhere["stored"] == 0, elsewhere
