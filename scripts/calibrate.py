@@ -96,7 +96,7 @@ def load(folder: Path, auto_name: str, dtype: str, installed_code: bool):
         raise ValueError(f"--auto: {auto_name!r} is not a transformers AutoModel class")
     if auto_name == "AutoModelForMultipleChoice":
         raise ValueError("--auto: a multiple-choice model takes (batch, choices, length) inputs; calibrate its "
-                         "encoder with --auto AutoModel at BATCH×CHOICES x LENGTH")  # fmt: skip
+                         "encoder instead: --auto AutoModel --shapes (BATCH*CHOICES)xLENGTH")  # fmt: skip
     if installed_code:
         import modeling_roformer_rope  # noqa: F401 - registers the installed classes with the Auto classes
     model = getattr(transformers, auto_name).from_pretrained(
