@@ -1169,17 +1169,21 @@ def small_models_first_calls(processes: int = 3, calls: int = 100) -> None:
     ours as built vs with its linear classes' rounds on real calls starting at their first call vs reading the
     choices a process before stored by warming up at the same input (`WARM_UP_CHILD`: `roformer-rope calibrate`).
     Per range of calls: the median over processes of the range's summed built-in time over its summed ours."""
+    import tempfile
+
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory(prefix="roformer-rope-ahead-") as store:
+        _first_calls_table(processes, calls, store)
+
+
+def _first_calls_table(processes: int, calls: int, store: str) -> None:
     import json
     import os
-    import shutil
     import statistics
     import subprocess
     import sys
-    import tempfile
     from pathlib import Path
 
-    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
-    store = tempfile.mkdtemp(prefix="roformer-rope-ahead-")
     ahead = "stored ahead (`warm_up`)"
     sides = {"as built": {}, "rounds from the first call": {"ROFORMER_ROPE_CALIBRATE_ON_CALLS": "1"}, ahead: {}}
     ranges = " | ".join(f"calls {lo + 1}-{hi}" if hi - lo > 1 else f"call {hi}" for lo, hi in FIRST_CALLS_RANGES)
@@ -1208,7 +1212,6 @@ def small_models_first_calls(processes: int = 3, calls: int = 100) -> None:
             still = [statistics.median(r["open"][i - 1] for r in results) for i in (10, 40, calls)]
             print(f"| {hidden} × {layers} | {batch}×{length} | {side} | " + " | ".join(f"{x:.2f}×" for x in ratios)
                   + f" | {1e3 * late:.2f} | {' / '.join(f'{x:g}' for x in still)} |", flush=True)
-    shutil.rmtree(store, ignore_errors=True)
 
 
 # (in, out, rows measured forward, rows measured backward): the encoder's MLP shapes and the vocabulary projection.

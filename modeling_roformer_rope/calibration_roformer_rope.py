@@ -343,7 +343,7 @@ _costs: list[float] = []  # what each decision timed on real calls cost beyond i
 _budget = [START_BUDGET]
 _rents: dict[tuple, list] = {}  # decision key → [seconds, calls] its class ran on the default before its rounds
 _waited: set[tuple] = set()  # decisions whose rounds began after their wait was paid (`rent`'s `after`)
-_no_wait = [False]  # `warm_up` is running: every wait counts as paid (`rent_paid`), so rounds begin at once
+_no_wait = threading.local()  # `.on` while this thread runs `warm_up`: a wait it meets is paid (`rent_paid`)
 
 
 def start_budget() -> float:
@@ -366,7 +366,7 @@ def rent(key: tuple, after: tuple = ()) -> list:
 
 def rent_paid(spent: list) -> bool:
     """Whether a class that has run `spent` (`rent`) on its default may have lost what a decision costs."""
-    if _no_wait[0]:
+    if getattr(_no_wait, "on", False):
         spent[0] = float("inf")  # asked for by `warm_up`: paid for good, so its rounds, once begun, do not pause
     return spent[0] * DEFAULT_LOSS >= start_budget()
 
@@ -456,26 +456,30 @@ def run_timed(
 
 def warm_up(call: Callable[[], object], limit: int = 64) -> int:
     """Run `call` (a forward at the shapes to come) until the classes its calls time on their real calls are decided,
-    their rounds starting at once rather than after the wait of `rent` (the caller asks for them now); the classes
-    timed on proxies are decided on its first run. Returns the runs it took (1 to `limit`). What a timing loop or a
-    server runs before its first timed or served call: its calls then run the choices from the first. The choices
-    are stored for the next process, as any are (`stored_choices_roformer_rope.py`)."""
-    _no_wait[0] = True
+    their rounds starting at once rather than after the wait of `rent` (the caller asks for them now; the waits its
+    calls meet in this thread count as paid for good, so a class left open by `limit` or an exception starts its
+    rounds at once later); the classes timed on proxies are decided on its first run. Returns the runs it took (1 to
+    `limit`). What a timing loop or a server runs before its first timed or served call: its calls then run the
+    choices from the first. The choices are stored for the next process, as any are (`stored_choices_roformer_rope.py`)."""
+    previous, _no_wait.on = getattr(_no_wait, "on", False), True
     try:
         return run_until_still(call, limit)
     finally:
-        _no_wait[0] = False
+        _no_wait.on = previous
 
 
 def run_until_still(call: Callable[[], object], limit: int) -> int:
-    """Run `call` until the classes timed on their real calls (`timing_on_calls`) stop moving between two runs (those
-    left, if any, are other shapes' or wait), at most `limit` runs; returns the runs (at least one)."""
-    runs, before = 0, timing_on_calls()
+    """Run `call` until a run decides nothing and moves no class timed on its real calls (`timing_on_calls`; those
+    left, if any, are other shapes' or wait), at most `limit` (≥ 1) runs; returns the runs. A run that decides a class
+    is followed by another: a decision may open the next one of its class (`linear`, then its packs, then its GELU)."""
+    if limit < 1:
+        raise ValueError(f"roformer_rope dispatch: limit {limit} is not a positive number of runs")
+    runs, before = 0, (timing_on_calls(), len(_choices))
     while runs < limit:
         call()
         runs += 1
-        after = timing_on_calls()
-        if not after or all(before.get(key) == progress for key, progress in after.items()):
+        after = (timing_on_calls(), len(_choices))
+        if after[1] == before[1] and all(before[0].get(key) == progress for key, progress in after[0].items()):
             break
         before = after
     return runs

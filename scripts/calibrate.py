@@ -5,7 +5,7 @@
 The model's code measures which kernel is fastest for each shape class on the running CPU (oneDNN or `F.linear`,
 packed weights or not, GELU fused or not, SDPA or our attention kernel), and keeps the choices on disk for the next
 process on the same machine. A process that finds none times the candidates over its first calls, which run
-slower meanwhile (a 4-layer, 768-wide model on 1×32 tokens: 0.69-0.72× the built-in's speed over its calls 4-10 on
+slower meanwhile (a 4-layer, 768-wide model on 1×32 tokens: 0.68-0.72× the built-in's speed over its calls 4-10 on
 an Emerald Rapids Xeon, `python bench/experiments.py --only small_models_first_calls`). This command pays that
 once, ahead: it loads MODEL_DIR as a user's process does
 (`AutoModelFor*.from_pretrained(MODEL_DIR, trust_remote_code=True)`: the folder's code, whose choices are stored
@@ -13,7 +13,7 @@ under a hash of that code), runs forwards of random token ids at each batch×len
 use is decided (`calibration_roformer_rope.warm_up`), prints the decisions and the file they are stored in
 (`$ROFORMER_ROPE_CACHE`, else `$XDG_CACHE_HOME/roformer_rope`, else `~/.cache/roformer_rope`). Run it with the
 thread count, dtype and code (`--installed-code`: a process that imports `modeling_roformer_rope` runs the installed
-copy) of the processes to come: each is another signature.
+copy) of the processes to come: a choice is stored for one of each.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         batch, sep, length = part.lower().partition("x")
-        if not (sep and batch.isdigit() and length.isdigit() and int(batch) > 0 and int(length) > 0):
+        if not (sep and batch.isdecimal() and length.isdecimal() and int(batch) > 0 and int(length) > 0):
             raise ValueError(f"--shapes: {part!r} is not BATCHxLENGTH with positive integers (e.g. 1x32,8x128)")
         shapes.append((int(batch), int(length)))
     if not shapes:
@@ -70,8 +70,8 @@ def _read_config(folder: Path) -> dict:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: missing (MODEL_DIR must be a saved model folder)") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid UTF-8 JSON ({error})") from None
     if not isinstance(config, dict) or config.get("model_type") != "roformer_rope":
         found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
         raise ValueError(f"{path}: model_type is {found!r}, not 'roformer_rope' (convert it first: roformer-rope convert-hf)")
@@ -121,9 +121,6 @@ def calibrate(model, shapes: list[tuple[int, int]], max_runs: int, seed: int = 0
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for batch, length in shapes:
-        if length > config.max_position_embeddings:
-            raise ValueError(f"--shapes: length {length} > the model's max_position_embeddings "
-                             f"({config.max_position_embeddings})")  # fmt: skip
         input_ids = torch.randint(0, config.vocab_size, (batch, length), generator=generator)  # (B, T)
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
         with torch.no_grad():
@@ -158,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
 
     shapes = parse_shapes(args.shapes)
     config = _read_config(args.model)
+    positions = config.get("max_position_embeddings")
+    for _, length in shapes:  # before anything is loaded or stored
+        if isinstance(positions, int) and length > positions:
+            raise ValueError(f"--shapes: length {length} > the model's max_position_embeddings ({positions})")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads: {args.threads} is not a positive thread count")
