@@ -11,7 +11,8 @@ lengths falls back to the slices: `stalled`). The classes are coarse (the GEMM's
 sizes and a row bucket; the attention's dtype and key-length bucket), so a model calibrates a handful of
 them per row bucket, each in 2-70 ms on a 2-core Cascade Lake (~0.7 s over a 4-layer model's first forwards at 1,
 16, 128 and 4×512 tokens: `python bench/experiments.py --only calibration_cost`). The choices are kept on disk for
-the next process on the same machine (`stored_choices_roformer_rope.py`; `ROFORMER_ROPE_CACHE=0` switches that off).
+the next process on the same machine (`stored_choices_roformer_rope.py`; `ROFORMER_ROPE_CACHE=0` switches that off);
+`warm_up(call)` decides the classes a forward uses ahead, and `roformer-rope calibrate` does so for a saved model.
 
 Visible: every decision is logged at DEBUG ("roformer_rope dispatch: ...") and listed by `decisions()`
 (the benchmarks print them). Overridable: `ROFORMER_ROPE_ONEDNN=0|1` / `ROFORMER_ROPE_ONEDNN_ATTENTION=0|1` /
