@@ -1121,16 +1121,19 @@ def small_models(reps: int, block_seconds: float = 0.02) -> None:
                   flush=True)  # fmt: skip
 
 
-FIRST_CALLS_CHILD = """
+# A fresh process's built-in and ours at one geometry, and their input (the children below start with it).
+_GEOMETRY_CHILD = """
 import json, sys, time, torch
 torch.set_num_threads({threads})
 sys.path.insert(0, {bench!r})
 from common import make_pair, random_batch
-from modeling_roformer_rope.calibration_roformer_rope import timing_on_calls
+from modeling_roformer_rope.calibration_roformer_rope import timing_on_calls, warm_up
 hidden, heads, layers, batch, length = {geometry}
 builtin, ours = make_pair(layers, 512, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
                           vocab_size=5000)
 inputs = random_batch(batch, length, vocab=5000)
+"""
+FIRST_CALLS_CHILD = _GEOMETRY_CHILD + """
 times = dict(builtin=[], ours=[])
 open_classes = []
 with torch.no_grad():
@@ -1149,16 +1152,7 @@ FIRST_CALLS_MODELS = ((64, 2, 2, 1, 16), (64, 2, 2, 8, 32), (128, 4, 2, 8, 64), 
 FIRST_CALLS_RANGES = ((0, 1), (1, 3), (3, 10), (10, 40), (40, 100))
 # Ahead of the "stored ahead" side: a process that builds the same model and warms it up at the same input
 # (`calibration_roformer_rope.warm_up`, what `roformer-rope calibrate` runs), storing the choices for the side's.
-WARM_UP_CHILD = """
-import sys, torch
-torch.set_num_threads({threads})
-sys.path.insert(0, {bench!r})
-from common import make_pair, random_batch
-from modeling_roformer_rope.calibration_roformer_rope import warm_up
-hidden, heads, layers, batch, length = {geometry}
-builtin, ours = make_pair(layers, 512, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
-                          vocab_size=5000)
-inputs = random_batch(batch, length, vocab=5000)
+WARM_UP_CHILD = _GEOMETRY_CHILD + """
 with torch.no_grad():
     warm_up(lambda: ours(**inputs))
 """
