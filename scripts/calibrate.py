@@ -34,7 +34,9 @@ DTYPES = ("float32", "bfloat16")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, help="a roformer_rope model folder (config.json, weights, payload code)")
     parser.add_argument(
-        "--shapes", default="1x32,1x128,8x128", help="BATCHxLENGTH of the inputs to come, comma-separated"
+        "--shapes",
+        default="1x32,1x128,8x128",
+        help="BATCHxLENGTH of the inputs to come, comma-separated (1x1 for generation: a decode step's one-row GEMMs)",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype the model will run in")
     parser.add_argument("--threads", type=int, help="torch threads of the processes to come (default: torch's)")

@@ -178,3 +178,38 @@ def test_a_later_process_reads_every_choice_the_command_stored(saved, tmp_path):
     assert later["open"] == 0 and later["decisions"] == later["stored"] > 0, later
     elsewhere = user(tmp_path / "empty")  # the control: without the command's file, the classes are still timed
     assert elsewhere["open"] > 0 and elsewhere["stored"] == 0, elsewhere
+
+
+GENERATE = textwrap.dedent(
+    """
+    import importlib, json, sys, torch, transformers
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    calibration = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".calibration_roformer_rope")
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    keys = [tuple(d["class"]) for d in calibration.decisions()]
+    print(json.dumps({"decisions": len(keys), "stored": sum(calibration.from_store(k) for k in keys),
+                      "open": len(calibration.timing_on_calls()), "rows": sorted({k[-1] for k in keys})}))
+    """
+)
+
+
+@needs_onednn
+def test_a_prompt_and_1x1_cover_greedy_generation(tmp_path):
+    """README: for generation add 1x1 (the decode steps' one-row GEMMs): every decision a later process's greedy
+    generation makes, prompt and decode steps, is then read from the store."""
+    folder = tmp_path / "causal"
+    torch.manual_seed(0)
+    randomise_(rr.RoFormerRopeForCausalLM(tiny_config(is_decoder=True)).eval()).save_pretrained(folder)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), ROFORMER_ROPE_CACHE=str(tmp_path / "cache"))
+    command = [sys.executable, "-m", "roformer_rope", "calibrate", str(folder), "--shapes", "1x1,1x8", "--threads", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run = subprocess.run([sys.executable, "-c", GENERATE, str(folder)], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    later = json.loads(run.stdout.strip().splitlines()[-1])
+    assert later["rows"] == [1, 16] and later["open"] == 0 and later["decisions"] == later["stored"], later
