@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -134,66 +133,59 @@ def test_a_folder_that_is_not_ours_is_refused(tmp_path, capsys):
     assert "config.json: not valid UTF-8 JSON" in capsys.readouterr().err
 
 
-# A user's later process: the folder's code (trust_remote_code), the same thread count; how many of the decisions a
-# forward at 2×16 makes were read from the store, and how many classes are still open after four forwards.
-USER = textwrap.dedent(
-    """
-    import importlib, json, sys, torch, transformers
-    torch.set_num_threads(1)
-    model = transformers.AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    calibration = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".calibration_roformer_rope")
-    ids = torch.randint(0, model.config.vocab_size, (2, 16))
-    with torch.no_grad():
-        for _ in range(4):
-            model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    keys = [tuple(d["class"]) for d in calibration.decisions()]
-    print(json.dumps({"module": type(model).__module__, "decisions": len(keys),
-                      "stored": sum(calibration.from_store(k) for k in keys),
-                      "open": len(calibration.timing_on_calls())}))
-    """
-)
+# A user's later process: the folder's code (trust_remote_code), the same thread count, `{auto}` running `{work}`;
+# how many of its decisions were read from the store, and how many classes are still open after it.
+LATER = """
+import importlib, json, sys, torch, transformers
+torch.set_num_threads(1)
+model = transformers.{auto}.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+calibration = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".calibration_roformer_rope")
+ids = torch.randint(0, model.config.vocab_size, ({batch}, {length}))
+with torch.no_grad():
+    {work}
+keys = [tuple(d["class"]) for d in calibration.decisions()]
+print(json.dumps({{"module": type(model).__module__, "decisions": len(keys),
+                  "stored": sum(calibration.from_store(k) for k in keys), "open": len(calibration.timing_on_calls()),
+                  "rows": sorted({{k[-1] for k in keys}})}}))
+"""
+FORWARDS = LATER.format(auto="AutoModelForMaskedLM", batch=2, length=16,
+                        work="for _ in range(4): model(input_ids=ids, attention_mask=torch.ones_like(ids))")  # fmt: skip
+GENERATE = LATER.format(auto="AutoModelForCausalLM", batch=1, length=8,
+                        work="model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)")  # fmt: skip
+
+
+def _calibrated(folder, tmp_path, shapes: str) -> tuple[dict, str]:
+    """`roformer-rope calibrate folder --shapes shapes --threads 1` in a fresh process storing in tmp_path/cache:
+    (the environment later processes share with it, its output)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), ROFORMER_ROPE_CACHE=str(tmp_path / "cache"))
+    command = [sys.executable, "-m", "roformer_rope", "calibrate", str(folder), "--shapes", shapes, "--threads", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return env, done.stdout
+
+
+def _later(code: str, folder, env: dict, cwd) -> dict:
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=env, cwd=cwd)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @needs_onednn
 def test_a_later_process_reads_every_choice_the_command_stored(saved, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), ROFORMER_ROPE_CACHE=str(tmp_path / "cache"))
-    command = [sys.executable, "-m", "roformer_rope", "calibrate", str(saved), "--shapes", "1x8,2x16", "--threads", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    stored_in = done.stdout.strip().splitlines()[-1].removeprefix("stored in ")
+    env, out = _calibrated(saved, tmp_path, "1x8,2x16")
+    stored_in = out.strip().splitlines()[-1].removeprefix("stored in ")
     choices = json.loads(open(stored_in, encoding="utf-8").read())["choices"]
     rows = {json.loads(key)[-1] for key in choices if json.loads(key)[0] == "linear"}
     assert rows == {16, 64}, choices  # the row buckets of 1×8 and 2×16 tokens
-    assert "| ('linear_gelu', 'torch.float32', 32, 37, 64) |" in done.stdout
+    assert "| ('linear_gelu', 'torch.float32', 32, 37, 64) |" in out
 
-    def user(cache):
-        run = subprocess.run([sys.executable, "-c", USER, str(saved)], capture_output=True, text=True, cwd=tmp_path,
-                             env={**env, "ROFORMER_ROPE_CACHE": str(cache)})  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        return json.loads(run.stdout.strip().splitlines()[-1])
-
-    later = user(tmp_path / "cache")
+    later = _later(FORWARDS, saved, env, tmp_path)
     assert later["module"].startswith("transformers_modules."), later  # the folder's code, as the command ran
     assert later["open"] == 0 and later["decisions"] == later["stored"] > 0, later
-    elsewhere = user(tmp_path / "empty")  # the control: without the command's file, the classes are still timed
+    # the control: without the command's file, the classes are still timed
+    elsewhere = _later(FORWARDS, saved, {**env, "ROFORMER_ROPE_CACHE": str(tmp_path / "empty")}, tmp_path)
     assert elsewhere["open"] > 0 and elsewhere["stored"] == 0, elsewhere
-
-
-GENERATE = textwrap.dedent(
-    """
-    import importlib, json, sys, torch, transformers
-    torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    calibration = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".calibration_roformer_rope")
-    ids = torch.randint(0, model.config.vocab_size, (1, 8))
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    keys = [tuple(d["class"]) for d in calibration.decisions()]
-    print(json.dumps({"decisions": len(keys), "stored": sum(calibration.from_store(k) for k in keys),
-                      "open": len(calibration.timing_on_calls()), "rows": sorted({k[-1] for k in keys})}))
-    """
-)
 
 
 @needs_onednn
@@ -203,13 +195,6 @@ def test_a_prompt_and_1x1_cover_greedy_generation(tmp_path):
     folder = tmp_path / "causal"
     torch.manual_seed(0)
     randomise_(rr.RoFormerRopeForCausalLM(tiny_config(is_decoder=True)).eval()).save_pretrained(folder)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), ROFORMER_ROPE_CACHE=str(tmp_path / "cache"))
-    command = [sys.executable, "-m", "roformer_rope", "calibrate", str(folder), "--shapes", "1x1,1x8", "--threads", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    run = subprocess.run([sys.executable, "-c", GENERATE, str(folder)], capture_output=True, text=True, env=env,
-                         cwd=tmp_path)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    later = json.loads(run.stdout.strip().splitlines()[-1])
+    env, _ = _calibrated(folder, tmp_path, "1x1,1x8")
+    later = _later(GENERATE, folder, env, tmp_path)
     assert later["rows"] == [1, 16] and later["open"] == 0 and later["decisions"] == later["stored"], later
