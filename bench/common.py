@@ -329,7 +329,11 @@ def cpu_tag() -> str:
 
     model = re.sub(r"\((r|tm)\)|cpu|@.*|processor|\d+-core", "", cpu_model().lower())
     slug = "-".join(re.findall(r"[a-z0-9]+", model))[:40] or "cpu"
-    arch = microarchitecture()
+    arch, ident = microarchitecture(), cpu_family_model()
+    if arch is None and ident is not None:
+        # a generation this table does not know (a hypervisor may also report a model number of its own, as one
+        # Intel host with AMX flags did: family 6 model 167): the numbers keep it out of a known CPU's folder
+        arch = f"family{ident[1]}-model{ident[2]}"
     if arch and arch not in slug:
         slug = f"{slug}-{arch}"
     cpu_level, level = isa_level(environ={}), isa_level()

@@ -53,6 +53,19 @@ def test_a_limited_run_writes_to_a_folder_of_its_own(monkeypatch):
     assert common.cpu_tag() == "amd-epyc-zen5-avx512-bf16"
 
 
+def test_an_unknown_generation_is_named_by_its_numbers_not_merged_into_a_known_folder(monkeypatch):
+    monkeypatch.setattr(common, "cpu_model", lambda: "Intel(R) Xeon(R) Processor")
+    monkeypatch.setattr(common, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    for name in common.ISA_LIMIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(common, "cpu_family_model", lambda: ("GenuineIntel", 6, 143))
+    assert common.cpu_tag() == "intel-xeon-sapphire-rapids-amx"
+    monkeypatch.setattr(common, "cpu_family_model", lambda: ("GenuineIntel", 6, 167))
+    assert common.cpu_tag() == "intel-xeon-family6-model167-amx"
+    monkeypatch.setattr(common, "cpu_family_model", lambda: None)  # no /proc/cpuinfo: the model name and ISA alone
+    assert common.cpu_tag() == "intel-xeon-amx"
+
+
 def test_compile_under_a_limit_gets_an_inductor_cache_of_its_own(monkeypatch):
     import bench_compile
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
