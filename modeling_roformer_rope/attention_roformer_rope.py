@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
@@ -176,6 +176,7 @@ class RoFormerRopeSelfAttention(nn.Module):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D), S = past + T
+            key, value, attention_mask = written_slots(cache, self.layer_idx, key, value, attention_mask)
         valid = None
         if torch.is_tensor(query_position):
             index, valid = selected_queries(query_position)  # (B, L) each
@@ -202,6 +203,22 @@ class RoFormerRopeSelfAttention(nn.Module):
         if valid is not None:
             attn_output = attn_output[valid]  # (N, H·D): the padding slots of rows with fewer selections dropped
         return self.o_proj(attn_output), attn_weights
+
+
+def written_slots(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None):
+    """A fixed-size (static) cache layer returns all its `max_cache_len` slots, and the mask hides the unwritten
+    ones: in eager mode attend over the written slots only, `past + T` of them (the same result: the dropped keys
+    had weight exactly 0). One decode step then reads past + 1 keys instead of the whole cache. Kept as is under
+    torch.compile / export, whose graph wants the fixed shape, and for any other kind of cache layer."""
+    layers = getattr(cache, "layers", ())
+    if tracing() or layer_idx >= len(layers) or type(layers[layer_idx]) is not StaticLayer:
+        return key, value, mask
+    if not torch.is_tensor(mask) or mask.dim() != 4 or mask.shape[-1] != key.shape[-2]:
+        return key, value, mask  # no mask to trim alongside (or a mask of another shape): attend as given
+    written = int(layers[layer_idx].get_seq_length())
+    if written >= key.shape[-2]:
+        return key, value, mask
+    return key[:, :, :written], value[:, :, :written], mask[..., :written]  # (B, H, S', D) ×2, (B, 1|H, T, S')
 
 
 def position_slice(position: int) -> slice:

@@ -125,6 +125,48 @@ def test_static_cache_generation_matches_builtin(attn):
     )
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_static_cache_steps_attend_over_the_written_slots_only(attn, monkeypatch):
+    """Eager steps with a static cache attend over the past + T written slots, not all `max_cache_len`, and give the
+    built-in's logits at every step; under tracing (torch.compile / export) the fixed shape stays."""
+    from transformers import DynamicCache, StaticCache
+
+    from modeling_roformer_rope import attention_roformer_rope as attention
+
+    builtin, ours, prompt = generation_pair(attn)
+    seen = []
+    choose = attention.softmax_attention_function
+
+    def recording(config):
+        function = choose(config)
+
+        def record(module, query, key, value, mask, **kwargs):
+            seen.append((key.shape[-2], None if mask is None else mask.shape[-1]))
+            return function(module, query, key, value, mask, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(attention, "softmax_attention_function", recording)
+    steps = [prompt, prompt[:, :1] + 1, prompt[:, 1:2] + 2]  # a 5-token prompt, then two one-token steps
+    for traced in (False, True):
+        monkeypatch.setattr(attention, "tracing", lambda traced=traced: traced)
+        seen.clear()
+        static, dynamic, past = StaticCache(config=ours.config, max_cache_len=16), DynamicCache(), 0
+        with torch.no_grad():
+            for ids in steps:
+                mask = torch.ones(2, past + ids.shape[1], dtype=torch.long)  # (B, past + T), as generate passes it
+                got = ours(ids, attention_mask=mask, cache=static, use_cache=True)
+                want = builtin(ids, attention_mask=mask, cache=dynamic, use_cache=True)
+                torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+                past += ids.shape[1]
+        layers = ours.config.num_hidden_layers
+        if traced:
+            assert {key for key, _ in seen} == {16}
+        else:
+            assert [key for key, _ in seen] == [5] * layers + [6] * layers + [7] * layers
+        assert all(masked in (None, key) for key, masked in seen)
+
+
 def test_unknown_and_missing_keys_raise():
     builtin = builtin_model("RoFormerForMaskedLM")
     state = builtin.state_dict()
