@@ -211,7 +211,7 @@ def written_slots(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.
     had weight exactly 0). One decode step then reads past + 1 keys instead of the whole cache. Kept as is under
     torch.compile / export, whose graph wants the fixed shape, and for any other kind of cache layer."""
     layers = getattr(cache, "layers", ())
-    if tracing() or layer_idx >= len(layers) or type(layers[layer_idx]) is not StaticLayer:
+    if layer_idx >= len(layers) or type(layers[layer_idx]) is not StaticLayer or tracing():  # cheap checks first
         return key, value, mask
     if not torch.is_tensor(mask) or mask.dim() != 4 or mask.shape[-1] != key.shape[-2]:
         return key, value, mask  # no mask to trim alongside (or a mask of another shape): attend as given
