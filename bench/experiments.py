@@ -31,6 +31,9 @@ Experiments
   it takes to read every linear weight once at the float32 read bandwidth measured here; and ours with each linear
   walking the whole dispatch path instead of looking its plan up; then every one-row linear decision it made. decode_step_narrow: the same at 64 wide
   (vocabulary 500), where a step is nothing but per-call overhead.
+- kv_cache: decode steps after 16-448-token prompts, built-in vs ours on transformers' concatenating `DynamicLayer`
+  vs ours on the layer it installs, which appends in place (`modeling_roformer_rope/kv_cache_roformer_rope.py`),
+  with minor page faults per step.
 - calibration_cost: first forwards from an empty calibration (`--shapes`), every decision timed for all its
   rounds vs stopped once settled (`calibration_roformer_rope._settled`): milliseconds spent, and what the choices
   cost against the best candidate as 12 rounds of every candidate time it.
@@ -90,12 +93,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import statistics
 import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from common import check_parity, interleaved, machine, make_pair, native_bf16, random_batch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from modeling_roformer_rope import calibration_roformer_rope as calibration
 
@@ -888,6 +893,61 @@ def decode_step(layers: int, reps: int, prompt_length: int = 16, steps: int = 32
             print(f"  one-row decision: {decision}")
 
 
+class _ConcatenatingLayer(DynamicLayer):
+    """transformers' `DynamicLayer` under another name, so that our model keeps it (it installs its own layer class
+    only in place of a plain `DynamicLayer`): a cache that concatenates on every step, as before."""
+
+
+def _decode_with_cache(model, prompt: dict, steps: int, concatenate: bool) -> list[float]:
+    """`_decode_steps` on a `DynamicCache` whose layers concatenate (`concatenate`) or are what the model installs."""
+    cache = DynamicCache(config=model.config)
+    if concatenate:
+        cache.layers = [_ConcatenatingLayer() for _ in cache.layers]
+    times = []
+    with torch.no_grad():
+        out = model(**prompt, cache=cache, use_cache=True)
+        mask = prompt["attention_mask"]
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)  # (1, 1)
+            mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)  # (1, S + 1)
+            start = time.perf_counter()
+            out = model(input_ids=token, attention_mask=mask, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def kv_cache(layers: int, reps: int, lengths=(16, 192, 448), steps: int = 32) -> None:
+    """Decode steps (one new token, fp32, base width with the LM head) after prompts of `lengths` tokens: the built-in
+    (transformers' `DynamicLayer`, which concatenates the layer's whole cache on every step) vs ours with that same
+    layer vs ours with the layer it installs (`kv_cache_roformer_rope.py`: appends in place into buffers with spare
+    slots); minor page faults per step alongside."""
+    import resource
+
+    from bench_generate import prompt_batch
+
+    builtin, ours = make_pair(layers, max_positions=512, head="causal")
+    sides = {"built-in": (builtin, True), "ours, concatenating": (ours, True), "ours, in place": (ours, False)}
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
+    print(f"| prompt tokens | {' | '.join(f'{name} ms/step (faults)' for name in sides)} | built-in / ours in place "
+          "| concatenating / in place (ours) |")  # fmt: skip
+    print("|---|" + "---|" * (len(sides) + 2))
+    for length in lengths:
+        prompt = prompt_batch([length])
+        for model, concatenate in sides.values():
+            _decode_with_cache(model, prompt, 8, concatenate)  # warm-up: calibration, packs
+        per_step = {name: [] for name in sides}
+        faults = {name: 0 for name in sides}
+        for _ in range(reps):  # alternate whole decodes, take every step's time
+            for name, (model, concatenate) in sides.items():
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                per_step[name] += _decode_with_cache(model, prompt, steps, concatenate)
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        ms = {name: 1e3 * statistics.median(times) for name, times in per_step.items()}
+        cells = [f"{ms[name]:.2f} ({faults[name] / (reps * steps):.0f})" for name in sides]
+        print(f"| {length} | {' | '.join(cells)} | {ms['built-in'] / ms['ours, in place']:.2f}× | "
+              f"{ms['ours, concatenating'] / ms['ours, in place']:.2f}× |", flush=True)
+
+
 def attention_operands(reps: int, shapes) -> None:
     """What `onednn_attention` does per group of heads, each way it could: one group of 12 heads × 64, T keys."""
     print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}")
@@ -1571,6 +1631,7 @@ def main() -> None:
         "mlm_selected_rows": lambda: mlm_selected_rows(L, R, shapes),
         "decode_step": lambda: decode_step(L, R),
         "decode_step_narrow": lambda: decode_step(L, R, hidden=64),
+        "kv_cache": lambda: kv_cache(L, R),
         "calibration_cost": lambda: calibration_cost(L, R, shapes),
         "varied_lengths": lambda: varied_lengths(L),
         "first_forwards": lambda: first_forwards(L),

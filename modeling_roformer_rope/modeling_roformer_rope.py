@@ -38,6 +38,7 @@ from .cache_name_roformer_rope import cache_kwarg, causal_mask, output_cache, ta
 from .configuration_roformer_rope import RoFormerRopeConfig
 from .dropout_roformer_rope import RoFormerRopeDropout
 from .inputs_roformer_rope import check_inputs
+from .kv_cache_roformer_rope import install_key_value_layers
 from .linear_self_attention_roformer_rope import RoFormerRopeLinearSelfAttention, install_cache_layers
 from .onednn_roformer_rope import RoFormerRopeLinear, linear_activation
 from .rotary_roformer_rope import RoFormerRopeRotaryEmbedding
@@ -402,6 +403,8 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         if cache is not None and self.has_linear_layers:
             install_cache_layers(cache, self.config)
         past_seen = cache.get_seq_length() if cache is not None else 0
+        if cache is not None and past_seen == 0:
+            install_key_value_layers(cache, self.config)  # append in place instead of concatenating
         check_inputs(
             input_ids,
             inputs_embeds,
