@@ -920,7 +920,7 @@ def kv_cache(layers: int, reps: int, lengths=(16, 192, 448), steps: int = 32) ->
     """Decode steps (one new token, fp32, base width with the LM head) after prompts of `lengths` tokens: the built-in
     (transformers' `DynamicLayer`, which concatenates the layer's whole cache on every step) vs ours with that same
     layer vs ours with the layer it installs (`kv_cache_roformer_rope.py`: appends in place into buffers with spare
-    slots); minor page faults per step alongside."""
+    slots); in brackets the minor page faults of the whole decode (prompt included) per step."""
     import resource
 
     from bench_generate import prompt_batch

@@ -82,6 +82,24 @@ def test_after_each_operation_transformers_calls_the_layer_matches_dynamic_layer
     assert torch.equal(*before)  # the views handed out before the operation kept their values
 
 
+def test_a_deep_copy_grows_on_its_own_buffers():
+    """A copied cache (a prompt cache reused for two continuations) continues apart from the original."""
+    import copy
+
+    ours, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
+    ours.update(*states(4, seed=0))
+    theirs.update(*states(4, seed=0))
+    twin = copy.deepcopy(ours)
+    ours.update(*states(1, seed=1))
+    twin.update(*states(2, seed=2))
+    theirs_twin = copy.deepcopy(theirs)
+    theirs.update(*states(1, seed=1))
+    theirs_twin.update(*states(2, seed=2))
+    assert_same(ours, theirs)
+    assert_same(twin, theirs_twin)
+    assert twin._buffers[0].data_ptr() != ours._buffers[0].data_ptr()
+
+
 def test_states_of_another_shape_are_refused_by_name(small_room):
     layer = RoFormerRopeKeyValueCacheLayer()
     layer.update(*states(3, seed=0))
