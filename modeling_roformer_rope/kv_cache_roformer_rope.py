@@ -13,7 +13,8 @@ buffers: strided in the head axis), `get_seq_length` is S, and every method tran
 (`crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `offload`, `reset`) works as
 inherited: where one replaces `keys` / `values` with new tensors, the next `update` copies them into fresh buffers
 (a `copy.deepcopy` of the cache copies the buffers and keeps the views on them). Writes go only past the written slots of the views this layer handed out last, so a tensor returned by an
-earlier `update` is never changed. Under torch.compile / export the layer concatenates, as `DynamicLayer` does.
+earlier `update` is never changed. Under torch.compile / export, and for states that autograd tracks, the layer
+concatenates, as `DynamicLayer` does.
 """
 
 import torch
@@ -53,7 +54,9 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         """Append (B, H, T, D) keys and (B, H, T, Dv) values; return the (B, H, S + T, ·) keys and values so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if tracing():  # a graph wants functional ops: concatenate (and forget the buffers)
+        if tracing() or (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)):
+            # a graph wants functional ops, and autograd would see the next step's write into a tensor it saved:
+            # concatenate (and forget the buffers)
             self._buffers = self._handed = None
             return super().update(key_states, value_states, *args, **kwargs)
         past = self.keys.shape[-2] if self.keys.numel() else 0

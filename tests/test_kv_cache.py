@@ -118,6 +118,22 @@ def test_under_tracing_the_layer_concatenates(monkeypatch):
     assert key.is_contiguous() and value.is_contiguous() and layer._buffers is None
 
 
+def test_states_autograd_tracks_are_concatenated_and_their_gradients_flow():
+    """Written into a buffer, a tracked state would be saved by autograd and overwritten by the next step's write."""
+    layer, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
+    tracked = [
+        tuple(t.clone().requires_grad_() for t in states(tokens, seed=step)) for step, tokens in enumerate([3, 1])
+    ]
+    for key, value in tracked:
+        got = layer.update(key, value)
+        theirs.update(key, value)
+    assert layer._buffers is None and got[0].is_contiguous()
+    assert_same(layer, theirs)
+    (layer.keys.sum() + 2 * layer.values.sum()).backward()
+    assert all(torch.equal(key.grad, torch.ones_like(key)) for key, _ in tracked)
+    assert all(torch.equal(value.grad, torch.full_like(value, 2.0)) for _, value in tracked)
+
+
 def causal_pair(**overrides):
     builtin = builtin_model("RoFormerForCausalLM", max_position_embeddings=128, **overrides)
     return builtin, convert_model(builtin)
