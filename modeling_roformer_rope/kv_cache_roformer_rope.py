@@ -13,8 +13,10 @@ buffers: strided in the head axis), `get_seq_length` is S, and every method tran
 (`crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `offload`, `reset`) works as
 inherited: where one replaces `keys` / `values` with new tensors, the next `update` copies them into fresh buffers
 (a `copy.deepcopy` of the cache copies the buffers and keeps the views on them). Writes go only past the written slots of the views this layer handed out last, so a tensor returned by an
-earlier `update` is never changed. Under torch.compile / export, and for states that autograd tracks, the layer
-concatenates, as `DynamicLayer` does.
+earlier `update` is never changed. Under torch.compile / export and with grad enabled (training, or a backward
+through decode steps), the layer concatenates, as `DynamicLayer` does; a cache filled under `torch.inference_mode`
+continues outside it into fresh buffers. `torch.export` of a model given a cache that eager forwards filled:
+`plain_layers(cache)` first (transformers' export support takes its own layer classes only).
 """
 
 import torch
@@ -54,9 +56,10 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         """Append (B, H, T, D) keys and (B, H, T, Dv) values; return the (B, H, S + T, ·) keys and values so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if tracing() or (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)):
-            # a graph wants functional ops, and autograd would see the next step's write into a tensor it saved:
-            # concatenate (and forget the buffers)
+        if tracing() or torch.is_grad_enabled():
+            # a graph wants functional ops, and autograd would see a later step's write into a tensor it saved (the
+            # new states, or the ones held, may be tracked): concatenate (and forget the buffers). `generate()` and
+            # inference run without grad.
             self._buffers = self._handed = None
             return super().update(key_states, value_states, *args, **kwargs)
         past = self.keys.shape[-2] if self.keys.numel() else 0
@@ -78,6 +81,8 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         if self.keys is not self._handed[0] or self.values is not self._handed[1]:
             return False
         keys, values = self._buffers
+        if keys.is_inference() and not torch.is_inference_mode_enabled():  # made under inference_mode: read-only now
+            return False
         return keys.shape[2] >= tokens and _same_layout(keys, key_states) and _same_layout(values, value_states)
 
     def _regrow(self, key_states: torch.Tensor, value_states: torch.Tensor, past: int, tokens: int) -> None:
@@ -86,7 +91,8 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         buffers = []
         for held, states in ((self.keys, key_states), (self.values, value_states)):
             B, H, _, D = states.shape
-            buffer = torch.empty(B, H, slots, D, dtype=states.dtype, device=states.device)  # (B, H, C, D)
+            dtype = torch.promote_types(held.dtype, states.dtype) if past else states.dtype  # as `torch.cat` promotes
+            buffer = torch.empty(B, H, slots, D, dtype=dtype, device=states.device)  # (B, H, C, D)
             if past:
                 if held.shape[:2] != (B, H) or held.shape[-1] != D:
                     raise ValueError(
@@ -102,7 +108,7 @@ def _same_layout(buffer: torch.Tensor, states: torch.Tensor) -> bool:
     return (
         buffer.shape[:2] == states.shape[:2]
         and buffer.shape[-1] == states.shape[-1]
-        and buffer.dtype == states.dtype
+        and buffer.dtype == torch.promote_types(buffer.dtype, states.dtype)  # what `torch.cat` would give
         and buffer.device == states.device
     )
 
@@ -125,4 +131,20 @@ def install_key_value_layers(cache: Cache, config) -> None:
         cache.layer_class_to_replicate = RoFormerRopeKeyValueCacheLayer
 
 
-__all__ = ["RoFormerRopeKeyValueCacheLayer", "capacity_for", "install_key_value_layers"]
+def plain_layers(cache: Cache) -> Cache:
+    """Turn our layers of `cache` back into transformers' `DynamicLayer`s holding the same keys and values (compact
+    copies), in place; returns the cache. For `torch.export` of a model given a cache filled by eager forwards:
+    transformers' export support for `DynamicCache` accepts its own layer classes only."""
+    for idx, layer in enumerate(getattr(cache, "layers", ())):
+        if isinstance(layer, RoFormerRopeKeyValueCacheLayer):
+            plain = DynamicLayer()
+            if layer.is_initialized:
+                plain.lazy_initialization(layer.keys, layer.values)
+                plain.keys, plain.values = layer.keys.contiguous(), layer.values.contiguous()  # (B, H, S, ·)
+            cache.layers[idx] = plain
+    if getattr(cache, "layer_class_to_replicate", None) is RoFormerRopeKeyValueCacheLayer:
+        cache.layer_class_to_replicate = DynamicLayer
+    return cache
+
+
+__all__ = ["RoFormerRopeKeyValueCacheLayer", "capacity_for", "install_key_value_layers", "plain_layers"]

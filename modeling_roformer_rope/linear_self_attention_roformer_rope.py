@@ -22,7 +22,7 @@ Shapes: B batch, T new tokens, S keys, H heads, D head size, F feature size, M r
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .linear_attention_roformer_rope import (
     LinearAttentionState,
@@ -92,8 +92,10 @@ def install_cache_layers(cache: Cache, config) -> None:
     for idx in range(config.num_hidden_layers):
         if config.attention_kind(idx) == "softmax":
             continue
-        while len(cache.layers) <= idx:
-            cache.layers.append(type(cache.layers[-1])() if cache.layers else RoFormerRopeLinearAttentionCacheLayer())
+        while len(cache.layers) <= idx:  # a cache made without a config: its layers so far, by their kinds
+            softmax = config.attention_kind(len(cache.layers)) == "softmax"
+            replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
+            cache.layers.append(replicate() if softmax else RoFormerRopeLinearAttentionCacheLayer())
         layer = cache.layers[idx]
         if not isinstance(layer, RoFormerRopeLinearAttentionCacheLayer):
             # `DynamicCache(config=...)` made a key/value layer, or transformers' recurrent-state layer for

@@ -3,11 +3,14 @@
 handed out earlier never changed, buffers reused between steps, and the built-in's logits and tokens when our
 model generates with it."""
 
+import copy
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from conftest import builtin_model
+from conftest import builtin_model, randomise_, tiny_config
+from modeling_roformer_rope import RoFormerRopeForCausalLM
 from modeling_roformer_rope import kv_cache_roformer_rope as kv
 from modeling_roformer_rope.kv_cache_roformer_rope import RoFormerRopeKeyValueCacheLayer
 from roformer_rope.conversion.from_transformers import convert_model
@@ -23,6 +26,13 @@ def states(tokens: int, seed: int, batch: int = 2, heads: int = 3, dim: int = 4,
 def assert_same(ours: RoFormerRopeKeyValueCacheLayer, theirs: DynamicLayer) -> None:
     assert ours.get_seq_length() == theirs.get_seq_length()
     assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """As `generate()` and inference run (with grad enabled the layer concatenates: a test below enables it)."""
+    with torch.no_grad():
+        yield
 
 
 @pytest.fixture
@@ -84,8 +94,6 @@ def test_after_each_operation_transformers_calls_the_layer_matches_dynamic_layer
 
 def test_a_deep_copy_grows_on_its_own_buffers():
     """A copied cache (a prompt cache reused for two continuations) continues apart from the original."""
-    import copy
-
     ours, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
     ours.update(*states(4, seed=0))
     theirs.update(*states(4, seed=0))
@@ -118,20 +126,88 @@ def test_under_tracing_the_layer_concatenates(monkeypatch):
     assert key.is_contiguous() and value.is_contiguous() and layer._buffers is None
 
 
-def test_states_autograd_tracks_are_concatenated_and_their_gradients_flow():
-    """Written into a buffer, a tracked state would be saved by autograd and overwritten by the next step's write."""
+def test_with_grad_enabled_the_layer_concatenates_and_gradients_flow_through_every_step():
+    """Written into a buffer, a tracked state (a new one, or one held from an earlier step: a trainable soft prompt
+    before untracked decode steps) would be saved by autograd and overwritten by a later step's write."""
     layer, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
-    tracked = [
-        tuple(t.clone().requires_grad_() for t in states(tokens, seed=step)) for step, tokens in enumerate([3, 1])
-    ]
-    for key, value in tracked:
-        got = layer.update(key, value)
-        theirs.update(key, value)
-    assert layer._buffers is None and got[0].is_contiguous()
+    with torch.enable_grad():
+        tracked = [t.clone().requires_grad_() for t in states(3, seed=0)]
+        for key, value in (tracked, states(1, seed=1), states(1, seed=2)):
+            got = layer.update(key, value)
+            theirs.update(key, value)
+        assert layer._buffers is None and got[0].is_contiguous()
+        assert_same(layer, theirs)
+        (layer.keys.sum() + 2 * layer.values.sum()).backward()
+    assert torch.equal(tracked[0].grad, torch.ones_like(tracked[0]))
+    assert torch.equal(tracked[1].grad, torch.full_like(tracked[1], 2.0))
+
+
+def test_a_cache_filled_under_inference_mode_continues_outside_it(small_room):
+    layer, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
+    with torch.inference_mode():
+        layer.update(*states(3, seed=0))
+        theirs.update(*states(3, seed=0))
+    with torch.no_grad():
+        for step in (1, 2):
+            layer.update(*states(1, seed=step))
+            theirs.update(*states(1, seed=step))
     assert_same(layer, theirs)
-    (layer.keys.sum() + 2 * layer.values.sum()).backward()
-    assert all(torch.equal(key.grad, torch.ones_like(key)) for key, _ in tracked)
-    assert all(torch.equal(value.grad, torch.full_like(value, 2.0)) for _, value in tracked)
+    assert not layer._buffers[0].is_inference()
+
+
+def test_a_state_of_a_wider_dtype_promotes_the_cache_as_concatenation_does(small_room):
+    layer, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
+    for step, dtype in enumerate((torch.bfloat16, torch.float32, torch.bfloat16)):
+        key, value = (t.to(dtype) for t in states(2, seed=step))
+        layer.update(key, value)
+        theirs.update(key, value)
+        assert layer.keys.dtype == theirs.keys.dtype
+        assert_same(layer, theirs)
+
+
+def test_plain_layers_hands_a_filled_cache_to_torch_export():
+    """transformers' export support for `DynamicCache` takes its own layer classes only: `plain_layers` turns ours
+    back into `DynamicLayer`s with the same keys and values, and the exported step gives the eager step's logits."""
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    register_dynamic_cache_export_support()
+    _, ours = causal_pair()
+    prompt = torch.randint(1, 99, (1, 6), generator=torch.Generator().manual_seed(2))
+
+    class Step(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, cache):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+
+    cache = DynamicCache(config=ours.config)
+    with torch.no_grad():
+        ours(prompt, cache=cache, use_cache=True)
+        held = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        assert kv.plain_layers(cache) is cache
+        assert all(type(layer) is DynamicLayer for layer in cache.layers)
+        assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v) for layer, (k, v) in zip(cache.layers, held))
+        step = dict(input_ids=prompt[:, :1], attention_mask=torch.ones(1, 7, dtype=torch.long))
+        program = torch.export.export(Step(ours).eval(), (), dict(step, cache=copy.deepcopy(cache)), strict=False)
+        torch.testing.assert_close(program.module()(**step, cache=copy.deepcopy(cache)), Step(ours)(**step, cache=cache))
+
+
+def test_a_cache_made_without_a_config_serves_a_model_mixing_softmax_and_linear_layers():
+    """A bare `DynamicCache()` grows its layers as the model calls them; the linear-attention layer's install used to
+    put a linear-attention layer in the softmax layer's slot before it (a `TypeError` at its first update)."""
+    layer_types = ["full_attention", "linear_attention", "full_attention"]
+    config = tiny_config(is_decoder=True, num_hidden_layers=3, attention_type="linear", layer_types=layer_types)
+    ours = randomise_(RoFormerRopeForCausalLM(config)).eval()
+    prompt = torch.randint(1, 99, (1, 6), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=6, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    want = ours.generate(prompt, cache=DynamicCache(config=ours.config), **settings)
+    bare = DynamicCache()
+    assert torch.equal(ours.generate(prompt, cache=bare, **settings), want)
+    assert [type(layer).__name__ for layer in bare.layers] == [
+        "RoFormerRopeKeyValueCacheLayer", "RoFormerRopeLinearAttentionCacheLayer", "RoFormerRopeKeyValueCacheLayer"
+    ]
 
 
 def causal_pair(**overrides):
