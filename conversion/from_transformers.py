@@ -67,7 +67,7 @@ _CONFIG_FIELDS = (
     "vocab_size embedding_size hidden_size num_hidden_layers num_attention_heads intermediate_size hidden_act "
     "hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings type_vocab_size initializer_range "
     "layer_norm_eps pad_token_id bos_token_id eos_token_id rotary_value is_decoder use_cache tie_word_embeddings "
-    "id2label label2id problem_type"
+    "id2label label2id problem_type return_dict"
 ).split()
 
 __all__ = [
@@ -203,14 +203,20 @@ def verify_against_builtin(builtin_model, ours, seq_len: int = 16, atol: float =
     attention_mask = torch.ones(shape, dtype=torch.long)
     attention_mask[1, ..., max(1, seq_len // 2) :] = 0  # never a fully masked row (the built-in averages those)
     inputs = dict(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-    expected, actual = builtin_model(**inputs), ours(**inputs)
-    worst = 0.0
+    # dict outputs whatever the configs say (`return_dict: false` makes both return tuples, with no keys to compare)
+    expected, actual = builtin_model(**inputs, return_dict=True), ours(**inputs, return_dict=True)
+    worst, compared = 0.0, []
     for key in ("last_hidden_state", "logits", "start_logits", "end_logits"):
         if key in expected and expected[key] is not None:
             diff = (expected[key] - actual[key]).abs().max().item()
             if not diff <= atol:
                 raise ConversionError(f"verification failed: {key} differs from the built-in by {diff:.3g} > {atol}")
-            worst = max(worst, diff)
+            worst, compared = max(worst, diff), compared + [key]
+    if not compared:
+        raise ConversionError(
+            f"verification failed: the built-in {type(builtin_model).__name__} gave none of the outputs compared "
+            f"(last_hidden_state, logits, start_logits, end_logits); it gave {sorted(expected.keys())}"
+        )
     return worst
 
 

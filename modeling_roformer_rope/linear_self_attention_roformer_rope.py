@@ -86,6 +86,25 @@ class RoFormerRopeLinearAttentionCacheLayer(CacheLayerMixin):
         if self.state is not None:
             self.state = LinearAttentionState(*(t.index_select(0, beam_idx.to(t.device)) for t in self.state))
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each batch row's state `repeats` times in a row (B → B·repeats), as `DynamicLayer` repeats its keys."""
+        if self.state is not None:
+            self.state = LinearAttentionState(*(t.repeat_interleave(repeats, dim=0) for t in self.state))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices` of the state."""
+        if self.state is not None:
+            self.state = LinearAttentionState(*(t[indices] for t in self.state))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """A running sum cannot forget tokens (`is_croppable` is False): transformers checks that before cropping a
+        main model's cache, but crops an `assistant_model`'s without asking."""
+        raise ValueError(
+            "a linear-attention layer's cache is a running (S, z) state that cannot forget tokens, so it cannot be "
+            "cropped: assisted decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) needs models with softmax "
+            "attention only, main and assistant"
+        )
+
 
 def install_cache_layers(cache: Cache, config) -> None:
     """Give every linear-attention layer of `cache` (e.g. a `DynamicCache` made by `generate`) our layer class."""

@@ -144,3 +144,37 @@ def test_a_position_table_shorter_than_the_check_batch_converts(tmp_path, positi
     builtin_model("RoFormerForMaskedLM", max_position_embeddings=positions).save_pretrained(tmp_path / "builtin")
     out = convert_folder(tmp_path / "builtin", tmp_path / "converted")
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == positions
+
+
+def test_a_config_returning_tuples_is_still_checked_and_keeps_returning_tuples(tmp_path, monkeypatch):
+    """`return_dict: false` in the built-in's config.json: the output check still compares the outputs (it used to
+    compare nothing, pass, and write a broken conversion), and the converted model returns tuples as the source did."""
+    from roformer_rope.conversion import from_transformers
+
+    builtin = builtin_model("RoFormerForSequenceClassification", num_labels=3)
+    builtin.config.return_dict = False
+    builtin.save_pretrained(tmp_path / "builtin")
+    convert = from_transformers.convert_model
+
+    def broken(model, *args, **kwargs):  # a mapping slip: the classifier's weights shifted
+        ours = convert(model, *args, **kwargs)
+        with torch.no_grad():
+            ours.classifier.out_proj.weight.add_(1.0)
+        return ours
+
+    monkeypatch.setattr(from_transformers, "convert_model", broken)
+    with pytest.raises(ConversionError, match=r"verification failed: logits differs from the built-in by"):
+        convert_folder(tmp_path / "builtin", tmp_path / "broken")
+    assert not (tmp_path / "broken").exists()
+    monkeypatch.setattr(from_transformers, "convert_model", convert)
+    convert_folder(tmp_path / "builtin", tmp_path / "converted")
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert config["return_dict"] is False
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "converted", trust_remote_code=True
+    )
+    inputs = padded_batch()
+    with torch.no_grad():
+        got, want = model(**inputs), builtin(**inputs)
+    assert isinstance(got, tuple) and isinstance(want, tuple)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)

@@ -256,3 +256,24 @@ def test_bf16_at_16k_tokens_stays_finite(kind):
     with torch.no_grad():
         out = model(input_ids=ids).last_hidden_state
     assert torch.isfinite(out.float()).all()
+
+
+def test_a_linear_attention_assistant_is_refused_by_name_and_its_cache_rows_can_be_selected():
+    """transformers crops an `assistant_model`'s cache without asking whether it can be cropped: a running (S, z)
+    state cannot forget tokens, and says so; repeating and selecting batch rows work on the state."""
+    from modeling_roformer_rope.linear_attention_roformer_rope import LinearAttentionState
+    from modeling_roformer_rope.linear_self_attention_roformer_rope import RoFormerRopeLinearAttentionCacheLayer
+
+    main = randomise_(rr.RoFormerRopeForCausalLM(tiny_config(is_decoder=True))).eval()
+    assistant = randomise_(rr.RoFormerRopeForCausalLM(tiny_config(is_decoder=True, attention_type="linear")), 1).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with pytest.raises(ValueError, match="cannot forget tokens, so it cannot be cropped: assisted decoding"):
+        main.generate(ids, assistant_model=assistant, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    layer = RoFormerRopeLinearAttentionCacheLayer()
+    state = LinearAttentionState(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), torch.randn(2, 3))
+    layer.update_state(state, 7)
+    layer.batch_repeat_interleave(2)
+    assert all(torch.equal(got, want.repeat_interleave(2, dim=0)) for got, want in zip(layer.state, state))
+    layer.batch_select_indices(torch.tensor([1, 2]))
+    assert all(torch.equal(got, want[[0, 1]]) for got, want in zip(layer.state, state))
+    assert layer.get_seq_length() == 7
