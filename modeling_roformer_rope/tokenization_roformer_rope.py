@@ -190,7 +190,10 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         missing = [str(t) for t in (unk_token, cls_token, sep_token) if str(t) not in vocab]
         if missing:
             raise ValueError(f"the vocabulary lacks the special token(s) {missing}")
-        self._word_vocab = frozenset(vocab)
+        # the words kept whole: not a token holding whitespace (a line " " of a vocab.txt), which the space-joined
+        # input of the WordPiece backend would drop or split, shifting every later offset (bert4keras strips such
+        # lines to nothing)
+        self._word_vocab = frozenset(token for token in vocab if token and not any(c.isspace() for c in token))
         self._tokenize_chinese_chars = tokenize_chinese_chars
         if word_segmentation not in WORD_SEGMENTATION:
             raise ValueError(f"word_segmentation must be one of {WORD_SEGMENTATION}, got {word_segmentation!r}")
@@ -223,6 +226,11 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         self._encoder_key: tuple | None = None
         self._matchers: tuple[AddedTokenMatcher, AddedTokenMatcher | None] | None = None
         self._added_pieces: dict[int, str] = {}
+        # what transformers read from a tokenizer.json next to vocab.txt (one the built-in saved, or a stale one):
+        # never used, this tokenizer builds its own backend, and passing it on would collide with ours
+        for key in ("tokenizer_file", "post_processor", "tokenizer_padding", "tokenizer_truncation", "_json_truncation",
+                    "_json_padding"):  # fmt: skip
+            kwargs.pop(key, None)
         super().__init__(
             do_lower_case=do_lower_case,
             unk_token=unk_token,
@@ -240,6 +248,24 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             ),
             **kwargs,
         )
+
+    def _add_tokens(self, new_tokens: list, special_tokens: bool = False) -> int:
+        """As transformers adds tokens, refusing where it would give a new token an id already in use: it numbers
+        new tokens from the count of distinct tokens, and a token repeated in vocab.txt leaves its earlier line's id
+        without a token, so that count is below the largest id + 1 (the built-in tokenizer collides silently)."""
+        taken = self._tokenizer.get_vocab(with_added_tokens=True)  # {token: id}
+        fresh = [str(token) for token in new_tokens if str(token) not in taken]
+        if fresh and taken:
+            rows = max(taken.values()) + 1
+            counted = self._tokenizer.get_vocab_size(with_added_tokens=True)
+            if counted < rows:
+                raise ValueError(
+                    f"cannot add {fresh[:3]}: ids 0..{rows - 1} are in use but the vocabulary holds {counted} distinct "
+                    f"tokens (a token repeated in vocab.txt leaves its earlier line's id without a token), so "
+                    f"transformers would give a new token an id already in use; in vocab.txt, replace the repeated "
+                    f"line by the token to add (the line count, hence every id, stays), and load it again"
+                )
+        return super()._add_tokens(new_tokens, special_tokens)
 
     # ---- custom jieba dictionary -------------------------------------------------------------
 

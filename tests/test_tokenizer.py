@@ -475,6 +475,15 @@ def test_a_repeated_vocabulary_token_warns_and_keeps_line_numbers_as_ids(tmp_pat
     (tmp_path / "out").mkdir()
     saved = tokenizer.save_vocabulary(str(tmp_path / "out"))[0]
     assert Path(saved).read_text(encoding="utf-8").splitlines() == lines
+    # transformers would number a new token from the 8 distinct tokens: id 8, "他"'s; refused by name instead
+    with pytest.raises(ValueError, match=r"cannot add \['<new>'\]: ids 0..8 are in use but the vocabulary holds 8"):
+        tokenizer.add_tokens(["<new>"])
+    tokenizer.add_tokens(["他"])  # a token it has already keeps its id: not refused
+    assert tokenizer.convert_tokens_to_ids("他") == 8
+    fixed_lines = lines[:5] + ["<new>"] + lines[6:]  # the earlier repeat's line holds the new token: ids stay
+    path.write_text("\n".join(fixed_lines) + "\n", encoding="utf-8")
+    fixed = RoFormerRopeTokenizer(vocab_file=str(path))
+    assert fixed.add_tokens(["<newer>"]) == 1 and fixed.convert_tokens_to_ids(["<new>", "<newer>"]) == [5, 9]
 
 
 # ---- fuzz ---------------------------------------------------------------------------------------
@@ -744,3 +753,27 @@ def test_added_token_flags_match_builtin(vocab, tokens, texts, tmp_path):
     loaded = RoFormerRopeTokenizer.from_pretrained(tmp_path)
     assert loaded.added_tokens_decoder == tok.added_tokens_decoder
     assert_same(loaded(texts, **kw), tok(texts, **kw), (*IDS, "offset_mapping"))
+
+
+def test_a_tokenizer_json_left_next_to_our_files_is_ignored(vocab, vocab_file, tmp_path):
+    """transformers reads a `tokenizer.json` it finds in the folder (the built-in's, or a stale one) and passed its
+    post-processor, padding and truncation on to our `__init__`, which then raised a `TypeError`; it is never used."""
+    ours = RoFormerRopeTokenizer(vocab_file=str(vocab_file))
+    ours.save_pretrained(tmp_path / "ours")
+    RoFormerTokenizer(vocab=vocab).save_pretrained(tmp_path / "builtin")
+    shutil.copy(tmp_path / "builtin" / "tokenizer.json", tmp_path / "ours" / "tokenizer.json")
+    texts = ["我在北京大学学习自然语言处理。", "Hello World 2024年"]
+    reloaded = RoFormerRopeTokenizer.from_pretrained(tmp_path / "ours")
+    assert reloaded(texts, return_offsets_mapping=True).data == ours(texts, return_offsets_mapping=True).data
+
+
+def test_a_vocabulary_line_of_whitespace_is_never_a_word_and_offsets_stay_on_their_text(vocab_file):
+    """A line " " in vocab.txt: jieba's " " word was taken as in the vocabulary, became a piece, vanished in the
+    space-joined WordPiece input and shifted every later offset."""
+    lines = [line.rstrip("\n") for line in vocab_file.read_text(encoding="utf-8").splitlines()] + [" "]
+    text = "北京 大学 hello"
+    for mode in ("jieba", "none"):
+        tokenizer = RoFormerRopeTokenizer(vocab={t: i for i, t in enumerate(lines)}, word_segmentation=mode)
+        encoded = tokenizer(text, return_offsets_mapping=True)
+        for token, (start, end) in zip(encoded.tokens()[1:-1], encoded["offset_mapping"][1:-1]):
+            assert token.removeprefix("##").lower() == text[start:end].lower(), (mode, token, text[start:end])

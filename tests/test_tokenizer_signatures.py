@@ -1,7 +1,7 @@
 """Pins the private transformers methods `RoFormerRopeTokenizer` overrides or calls to the installed transformers.
 
-`_encode_plus` (21 parameters), `_encode_without_added_tokens`, `_decode` and `_save_pretrained` are
-private: transformers may rename them or change their parameters in any release. Our overrides take
+`_encode_plus` (21 parameters), `_encode_without_added_tokens`, `_decode`, `_save_pretrained` and `_add_tokens`
+are private: transformers may rename them or change their parameters in any release. Our overrides take
 `**kwargs`, so a new parameter would be swallowed silently and a renamed method would simply never be
 called (the backend would then tokenize without jieba). These tests fail loudly on such an upgrade:
 re-read the new base method, adapt ours, then update the pins.
@@ -34,6 +34,7 @@ OVERRIDDEN = (
     "save_vocabulary",
     "convert_tokens_to_string",
     "get_special_tokens_mask",
+    "_add_tokens",  # refuses a new token's id already in use (a repeated vocab.txt line)
 )
 # Private base methods our `_encode_plus` calls, with the parameters it passes (by name).
 CALLED = {
