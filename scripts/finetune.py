@@ -520,6 +520,12 @@ def _describe(kind: str, output) -> str:
     return f"{output['label']} ({output['score']:.2f})"
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies inside it (both resolved)."""
+    path, folder = path.expanduser().resolve(), folder.expanduser().resolve()
+    return path == folder or folder in path.parents
+
+
 def finetune(task_name: str, model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments) -> dict:
     """The whole job; returns (and writes to `output_dir/finetune_results.json`) the results."""
     from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding, Trainer, set_seed
@@ -533,6 +539,11 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
     max_length = data_args.max_length or task.default_max_length
     if max_length < 8:
         raise ValueError(f"--max_length must be >= 8, got {max_length}")
+    if data_args.cache_dir and _inside(Path(data_args.cache_dir), out):
+        raise ValueError(
+            f"--cache_dir {data_args.cache_dir} lies inside --output_dir {out}: the cache would make the output folder "
+            "before the fine-tune writes it (and --overwrite would delete the cache); choose a cache outside it"
+        )
     if model_args.random_init and not model_args.model:
         raise ValueError("--random_init needs --model (whose config and tokenizer to use)")
     for flag, value in (("--max_train_samples", data_args.max_train_samples), ("--max_eval_samples", data_args.max_eval_samples)):

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _shipped(name: str, suffixes: tuple[str, ...]) -> Path:
     path = Path(name)
-    if path.exists() or path.suffix:
+    if path.is_file() or path.suffix:  # a folder of the same name in the working directory does not hide a shipped one
         return path
     configs = resources.files("roformer_rope.scripts").joinpath("configs")
     for suffix in suffixes:
@@ -688,10 +688,38 @@ def check_arguments(args: argparse.Namespace, config: RunConfig) -> None:
             f"--attention-type {args.attention_type}: architecture {config.architecture!r} has only its own softmax "
             "attention (linear attention is a RoFormer option)"
         )
+    out = Path(args.out).expanduser().resolve()
+    for corpus in args.corpus or ():
+        folder = Path(corpus).expanduser().resolve()
+        if folder.is_dir() and (out == folder or folder in out.parents):
+            raise ValueError(
+                f"--out {args.out} lies inside --corpus {corpus}: the run's own files (vocab.txt, logs) would be read as "
+                "training text on its next start; choose an --out outside the corpus"
+            )
+    if init_from and Path(init_from).expanduser().is_dir():
+        check_init_from(Path(init_from).expanduser())
     for name in ("max_steps", "corpus_lines"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def check_init_from(folder: Path) -> None:
+    """model.init_from continues one of our checkpoints: a folder whose config.json is a roformer_rope config (a
+    built-in RoFormer's or a BERT's would train to the end and then fail to export)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.init_from {folder}: no config.json (expected a roformer_rope model folder)")
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError) as error:
+        raise ValueError(f"model.init_from {folder}: config.json is not a JSON object ({error})") from None
+    if model_type != "roformer_rope":
+        hint = " (convert it first: roformer-rope convert-hf --model FOLDER --out NEW)" if model_type == "roformer" else ""
+        raise ValueError(
+            f"model.init_from {folder}: a {model_type!r} checkpoint; pretraining continues roformer_rope checkpoints "
+            f"only{hint}"
+        )
 
 
 def quiet_libraries() -> None:

@@ -531,6 +531,10 @@ def test_output_and_flag_problems(tmp_path, capsys):
     assert code == 2 and "already exists (pass --overwrite" in err
     code, err = run_main(["sentiment", "--random_init", "--output_dir", str(tmp_path / "new"), *TINY], capsys)
     assert code == 2 and "--random_init needs --model" in err
+    # a cache inside the output folder made that folder before the fine-tune wrote it: refused at once
+    code, err = run_main(["sentiment", "--output_dir", str(tmp_path / "out"), *TINY, "--cache_dir",
+                          str(tmp_path / "out" / "c")], capsys)  # fmt: skip
+    assert code == 2 and "lies inside --output_dir" in err and not (tmp_path / "out").exists()
     for flags, message in ((["--max_train_samples", "-5"], "--max_train_samples must be >= 1, got -5"),
                            (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1, got 0"),
                            (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps")):  # fmt: skip

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import builtin_model
+
 TINY = textwrap.dedent(
     """
     model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 64}
@@ -497,3 +499,26 @@ def test_zero3_builds_the_model_partitioned_and_initialised():
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["local"] == 0 and out["total"] == out["plain"] > 20_000, out
     assert 0.015 < out["std"] < 0.025 and out["tied"] and not out["plain_partitioned"], out
+
+
+def test_commands_that_would_fail_late_are_refused_before_anything_runs(config, refused_here, tmp_path, monkeypatch):
+    """Three commands that used to run (or train) and fail later: an --out inside a --corpus folder (its vocab.txt and
+    logs read as training text on the next start); a model.init_from that is not a roformer_rope checkpoint (trained to
+    the end, then could not be exported); a folder in the working directory named like a shipped config."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("今天天气很好。\n" * 20, encoding="utf-8")
+    inside = refused_here("--config", str(config), "--corpus", str(corpus), "--out", str(corpus / "run"))
+    assert inside.returncode == 2 and "lies inside --corpus" in inside.stderr and not (corpus / "run").exists()
+    builtin = tmp_path / "builtin"
+    builtin_model("RoFormerForMaskedLM").save_pretrained(builtin)
+    init = tmp_path / "init.yaml"
+    init.write_text(TINY.replace(TINY.splitlines()[1], f"model: {{init_from: {builtin}}}"))
+    refused = refused_here("--config", str(init), "--out", str(tmp_path / "from_builtin"), *LINES)
+    assert refused.returncode == 2 and not (tmp_path / "from_builtin").exists()
+    assert "a 'roformer' checkpoint; pretraining continues roformer_rope checkpoints only (convert it first" in refused.stderr
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quickstart").mkdir()  # a folder named like the shipped config
+    from roformer_rope.scripts.pretrain import _shipped
+
+    assert _shipped("quickstart", (".yaml", ".yml", ".json")).is_file()
