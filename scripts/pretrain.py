@@ -410,9 +410,19 @@ class Run:
 
     def check_resumable(self) -> None:
         """--resume: the checkpoint to continue exists and was written by as many processes (before any write)."""
-        from .pretrain_engine import PARTIAL, latest_tag, read_run_state
+        from .pretrain_engine import LATEST, PARTIAL, _write_atomically, latest_tag, read_run_state
 
         tag = latest_tag(self.checkpoints)
+        complete = sorted(
+            (p for p in self.checkpoints.iterdir() if p.is_dir() and (p / "run_state.json").is_file()),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if tag is None and complete:  # stopped between moving a checkpoint into place and pointing `latest` at it
+            tag = complete[-1].name
+            logger.warning("--resume: %s has no `%s` pointer; resuming from the newest complete checkpoint, %s",
+                           self.checkpoints, LATEST, tag)  # fmt: skip
+            if self.dist.is_main:
+                _write_atomically(self.checkpoints / LATEST, tag + "\n")
         if tag is None:
             partial = any(self.checkpoints.glob(PARTIAL + "*"))
             raise ValueError(

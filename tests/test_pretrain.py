@@ -522,3 +522,19 @@ def test_commands_that_would_fail_late_are_refused_before_anything_runs(config, 
     from roformer_rope.scripts.pretrain import _shipped
 
     assert _shipped("quickstart", (".yaml", ".yml", ".json")).is_file()
+
+
+def test_a_run_killed_before_pointing_latest_at_its_checkpoint_resumes_from_it(config, refused_here, tmp_path):
+    """A kill between moving a checkpoint into place and writing `latest`: without --resume the run is kept (never
+    cleared), and --resume used to refuse too ("holds no complete checkpoint"); it now takes the newest complete
+    checkpoint and writes the pointer. Here that checkpoint was written by 99 processes, so the resume then stops at
+    the world-size check: proof it was picked, without starting DeepSpeed."""
+    killed = tmp_path / "killed"
+    for tag in ("stage1-step4", "stage1-step8"):
+        (killed / "checkpoints" / tag).mkdir(parents=True)
+        (killed / "checkpoints" / tag / "run_state.json").write_text(json.dumps({"world_size": 99}))
+        time.sleep(0.01)  # the newer one by modification time
+    (killed / ".roformer_rope_run").write_text("")
+    resumed = refused_here("--config", str(config), "--out", str(killed), "--resume", *LINES)
+    assert resumed.returncode == 2 and "checkpoint stage1-step8 was written by 99 process(es)" in resumed.stderr
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "stage1-step8"
