@@ -82,8 +82,9 @@ def _splitters(tokenize_chinese_chars: bool):
 
 
 def read_vocab_lines(path: str) -> list[str]:
-    """Tokens of a `vocab.txt`, one per line, line number = id."""
-    with open(path, encoding="utf-8") as handle:
+    """Tokens of a `vocab.txt`, one per line, line number = id (a UTF-8 byte-order mark before the first is no part
+    of it: it would make id 0 "\ufeff[PAD]" and give [PAD] a new id)."""
+    with open(path, encoding="utf-8-sig") as handle:
         return [line.rstrip("\n") for line in handle]
 
 

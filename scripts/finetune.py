@@ -539,6 +539,8 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
     max_length = data_args.max_length or task.default_max_length
     if max_length < 8:
         raise ValueError(f"--max_length must be >= 8, got {max_length}")
+    if data_args.max_train_seconds is not None and not data_args.max_train_seconds > 0:
+        raise ValueError(f"--max_train_seconds must be > 0 (omit it for no limit), got {data_args.max_train_seconds}")
     if data_args.cache_dir and _inside(Path(data_args.cache_dir), out):
         raise ValueError(
             f"--cache_dir {data_args.cache_dir} lies inside --output_dir {out}: the cache would make the output folder "

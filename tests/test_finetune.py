@@ -537,6 +537,7 @@ def test_output_and_flag_problems(tmp_path, capsys):
     assert code == 2 and "lies inside --output_dir" in err and not (tmp_path / "out").exists()
     for flags, message in ((["--max_train_samples", "-5"], "--max_train_samples must be >= 1, got -5"),
                            (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1, got 0"),
+                           (["--max_train_seconds", "0"], "--max_train_seconds must be > 0 (omit it for no limit), got 0"),
                            (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps")):  # fmt: skip
         code, err = run_main(["sentiment", *flags, "--output_dir", str(tmp_path / "new"), *TINY], capsys)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -777,3 +777,12 @@ def test_a_vocabulary_line_of_whitespace_is_never_a_word_and_offsets_stay_on_the
         encoded = tokenizer(text, return_offsets_mapping=True)
         for token, (start, end) in zip(encoded.tokens()[1:-1], encoded["offset_mapping"][1:-1]):
             assert token.removeprefix("##").lower() == text[start:end].lower(), (mode, token, text[start:end])
+
+
+def test_a_byte_order_mark_before_the_first_vocabulary_line_is_no_part_of_it(tmp_path):
+    lines = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "我", "你"]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8-sig")  # a BOM first, as some editors save
+    tokenizer = RoFormerRopeTokenizer(vocab_file=str(path))
+    assert tokenizer.convert_tokens_to_ids(lines) == list(range(len(lines))) and len(tokenizer) == len(lines)
+    assert tokenizer("我你", padding="max_length", max_length=6)["input_ids"] == [2, 5, 6, 3, 0, 0]
