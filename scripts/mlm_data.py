@@ -169,6 +169,13 @@ class TokenStream:
     def num_lines(self) -> int:
         return int(self.line_starts.shape[0]) - 1
 
+    def digest(self) -> str:
+        """Identifies the stream's content (its tokens and line boundaries): what a resumed run must train on."""
+        h = hashlib.sha256()
+        for array in (self.tokens, self.line_starts):
+            h.update(np.ascontiguousarray(array))  # the buffer itself, read in place (no copy of a memory map)
+        return h.hexdigest()[:16]
+
     @classmethod
     def load(cls, folder: Path) -> TokenStream:
         return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("tokens", "words", "line_starts")))

@@ -196,9 +196,10 @@ class Run:
                     )
                 ]
                 train_tokens, held_out_tokens = (stream.num_tokens for stream in streams)
+                digests = {"train": streams[0].digest(), "held_out": streams[1].digest()} if self.saved else None
                 del streams  # memory-mapped from the temporary folders, which are renamed at the end
                 if self.saved is not None:
-                    self.check_resumed_data(train_tokens, held_out_tokens)
+                    self.check_resumed_data(train_tokens, held_out_tokens, digests)
         barrier()
         self.tokenizer = self.load_tokenizer(tok_dir)
         self.train_stream = mlm_data.TokenStream.load(data_dir / "train")
@@ -207,9 +208,18 @@ class Run:
             raise ValueError("the training lines hold no token: is the corpus empty?")
         self.masker = mlm_data.WholeWordMasker(self.tokenizer, self.config.data.mlm_probability, self.config.train.seed)
 
-    def check_resumed_data(self, train_tokens: int, held_out_tokens: int) -> None:
+    def check_resumed_data(self, train_tokens: int, held_out_tokens: int, digests: dict | None = None) -> None:
         saved = self.saved.get("data_tokens")
         if saved is None:  # a checkpoint from before `data_tokens`: the fingerprint check after loading decides
+            return
+        saved_digests = self.saved.get("data_digest")  # none in a checkpoint from before 2026-12-02
+        if (saved["train"], saved["held_out"]) == (train_tokens, held_out_tokens) and digests and saved_digests:
+            if saved_digests != digests:
+                raise ValueError(
+                    f"--resume: checkpoint {self.resume_tag} was made from other data (as many tokens, "
+                    f"{train_tokens:,} training and {held_out_tokens:,} held-out, but other ones: lines changed or "
+                    "reordered); resume with the same --corpus, --corpus-lines and --text-column"
+                )
             return
         if (saved["train"], saved["held_out"]) != (train_tokens, held_out_tokens):
             raise ValueError(
@@ -217,6 +227,12 @@ class Run:
                 f"{saved['held_out']:,} held-out tokens; this command's corpus gives {train_tokens:,} and "
                 f"{held_out_tokens:,}); resume with the same --corpus, --corpus-lines and --text-column"
             )
+
+    def data_digest(self) -> dict:
+        """The token streams' content digests (`TokenStream.digest`), computed once."""
+        if getattr(self, "_data_digest", None) is None:
+            self._data_digest = {"train": self.train_stream.digest(), "held_out": self.held_out_stream.digest()}
+        return self._data_digest
 
     def corpus_name(self) -> str:
         if not self.args.corpus:
@@ -369,6 +385,7 @@ class Run:
             "world_size": self.dist.world_size,
             "fingerprint": self.fingerprint(),
             "data_tokens": {"train": self.train_stream.num_tokens, "held_out": self.held_out_stream.num_tokens},
+            "data_digest": self.data_digest(),
             "stage_table": self.stage_table,
             "info": {
                 "architecture": self.spec["architecture"],

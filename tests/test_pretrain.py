@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -538,3 +539,24 @@ def test_a_run_killed_before_pointing_latest_at_its_checkpoint_resumes_from_it(c
     resumed = refused_here("--config", str(config), "--out", str(killed), "--resume", *LINES)
     assert resumed.returncode == 2 and "checkpoint stage1-step8 was written by 99 process(es)" in resumed.stderr
     assert (killed / "checkpoints" / "latest").read_text().strip() == "stage1-step8"
+
+
+def test_a_resume_on_other_lines_with_as_many_tokens_is_refused(finished):
+    """The checkpoint records its token streams' content digests: a corpus with lines changed or reordered but as many
+    tokens (which the token counts alone let through) is refused before `data/` is replaced."""
+    from types import SimpleNamespace
+
+    from roformer_rope.scripts.mlm_data import TokenStream
+    from roformer_rope.scripts.pretrain import Run
+
+    latest = (finished / "checkpoints" / "latest").read_text().strip()
+    saved = json.loads((finished / "checkpoints" / latest / "run_state.json").read_text())
+    streams = {split: TokenStream.load(finished / "data" / split) for split in ("train", "held_out")}
+    assert saved["data_digest"] == {split: stream.digest() for split, stream in streams.items()}
+    counts = saved["data_tokens"]["train"], saved["data_tokens"]["held_out"]
+    run = SimpleNamespace(saved=saved, resume_tag=latest)
+    Run.check_resumed_data(run, *counts, dict(saved["data_digest"]))  # the same data: accepted
+    swapped = TokenStream(*(np.array(getattr(streams["train"], name)) for name in ("tokens", "words", "line_starts")))
+    swapped.tokens[[0, 1]] = swapped.tokens[[1, 0]]  # two tokens trade places: as many tokens, other content
+    with pytest.raises(ValueError, match=r"made from other data \(as many tokens, .* but other ones"):
+        Run.check_resumed_data(run, *counts, {"train": swapped.digest(), "held_out": saved["data_digest"]["held_out"]})
