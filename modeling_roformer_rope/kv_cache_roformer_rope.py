@@ -56,7 +56,7 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         """Append (B, H, T, D) keys and (B, H, T, Dv) values; return the (B, H, S + T, ·) keys and values so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if tracing() or torch.is_grad_enabled():
+        if torch.is_grad_enabled() or tracing():  # the cheap check first: this runs per layer per decode step
             # a graph wants functional ops, and autograd would see a later step's write into a tensor it saved (the
             # new states, or the ones held, may be tracked): concatenate (and forget the buffers). `generate()` and
             # inference run without grad.

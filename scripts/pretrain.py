@@ -430,11 +430,11 @@ class Run:
         from .pretrain_engine import LATEST, PARTIAL, _write_atomically, latest_tag, read_run_state
 
         tag = latest_tag(self.checkpoints)
-        complete = sorted(
+        complete = [] if tag is not None else sorted(
             (p for p in self.checkpoints.iterdir() if p.is_dir() and (p / "run_state.json").is_file()),
             key=lambda p: p.stat().st_mtime,
-        )
-        if tag is None and complete:  # stopped between moving a checkpoint into place and pointing `latest` at it
+        )  # fmt: skip
+        if complete:  # stopped between moving a checkpoint into place and pointing `latest` at it
             tag = complete[-1].name
             logger.warning("--resume: %s has no `%s` pointer; resuming from the newest complete checkpoint, %s",
                            self.checkpoints, LATEST, tag)  # fmt: skip
