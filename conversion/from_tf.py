@@ -45,7 +45,7 @@ import torch
 from roformer_rope.safe_write import OutputError, check_output, safe_output_folder
 
 from .key_map import ConversionError
-from .model_card import render_model_card, sha256_file, tf_card_values
+from .model_card import check_license, render_model_card, sha256_file, tf_card_values
 from .reference_outputs import compare_with_reference
 from .tf_checkpoint import TFCheckpointError, TFCheckpointReader, resolve_prefix
 from .tf_config import build_config, check_vocab, read_bert_config, read_vocab
@@ -168,6 +168,7 @@ def convert_checkpoint(
     `reference_outputs`, if given, before anything is written), and swapped in only then; on any error
     `out_dir` is as it was and no temporary is left.
     """
+    check_license(license)  # before the conversion: it only goes into the card at the end
     prefix, folder = resolve_checkpoint(checkpoint)
     sources = [checkpoint, folder]
     try:

@@ -7,6 +7,7 @@ placeholder without a value is an error, never a blank in the published card.
 from __future__ import annotations
 
 import hashlib
+import re
 import string
 from datetime import datetime, timezone
 from importlib import resources
@@ -58,6 +59,20 @@ def render_model_card(values: dict[str, str], template: str = TF_TEMPLATE) -> st
         raise ConversionError(f"model card template {template} needs a value for {error}") from None
 
 
+_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+_-]*")
+
+
+def check_license(license: str) -> str:
+    """`license` as a Hub license id (`apache-2.0`, `mit`, `cc-by-4.0`, `other`, ...): it goes into the card's
+    YAML metadata verbatim, where a space, a colon or a newline would break or change the metadata."""
+    if not isinstance(license, str) or not _LICENSE_ID.fullmatch(license):
+        raise ConversionError(
+            f"--license {license!r} is not a license id (lowercase letters, digits and . + _ -, e.g. apache-2.0, "
+            "mit, cc-by-4.0, other)"
+        )
+    return license
+
+
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -104,7 +119,7 @@ def tf_card_values(result, config, source: str, title: str, repo_id: str | None,
         "usage_extra": string.Template(_usage_extra(result.kind, result.pooler, encoder_only)).safe_substitute(
             repo_id=repo
         ),
-        "license": license,
+        "license": check_license(license),
         "pipeline_tag": pipeline,
         "tags": "\n".join(f"- {tag}" for tag in _TAGS[result.kind]),
         "title": title,

@@ -12,7 +12,8 @@ Same contract as `DynamicLayer`: `keys` / `values` are (B, H, S, D) tensors of t
 buffers: strided in the head axis), `get_seq_length` is S, and every method transformers' caches call on a layer
 (`crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `offload`, `reset`) works as
 inherited: where one replaces `keys` / `values` with new tensors, the next `update` copies them into fresh buffers
-(a `copy.deepcopy` of the cache copies the buffers and keeps the views on them). Writes go only past the written slots of the views this layer handed out last, so a tensor returned by an
+(a `copy.deepcopy` of the cache copies the buffers and keeps the views on them; a `copy.copy` of a layer gets
+buffers of its own at its next `update`). Writes go only past the written slots of the views this layer handed out last, so a tensor returned by an
 earlier `update` is never changed. Under torch.compile / export and with grad enabled (training, or a backward
 through decode steps), the layer concatenates, as `DynamicLayer` does; a cache filled under `torch.inference_mode`
 continues outside it into fresh buffers. `torch.export` of a model given a cache that eager forwards filled:
@@ -41,6 +42,14 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         super().__init__(**kwargs)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, H, C, D), (B, H, C, Dv)
         self._handed: tuple[torch.Tensor, torch.Tensor] | None = None  # the views `update` returned last
+
+    def __copy__(self) -> "RoFormerRopeKeyValueCacheLayer":
+        """A shallow copy shares the held keys/values, as `DynamicLayer`'s does, but not the buffers: two layers
+        writing their next tokens into the same free slots would overwrite each other's."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._buffers = clone._handed = None  # its next `update` copies what it holds into buffers of its own
+        return clone
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

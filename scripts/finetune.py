@@ -539,6 +539,11 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
     max_length = data_args.max_length or task.default_max_length
     if max_length < 8:
         raise ValueError(f"--max_length must be >= 8, got {max_length}")
+    if training_args.max_steps == 0 or (training_args.max_steps < 0 and not training_args.num_train_epochs > 0):
+        raise ValueError(
+            f"--num_train_epochs {training_args.num_train_epochs} with --max_steps {training_args.max_steps} trains no "
+            "step: give --num_train_epochs > 0 or --max_steps >= 1"
+        )
     if data_args.max_train_seconds is not None and not data_args.max_train_seconds > 0:
         raise ValueError(f"--max_train_seconds must be > 0 (omit it for no limit), got {data_args.max_train_seconds}")
     if data_args.cache_dir and _inside(Path(data_args.cache_dir), out):

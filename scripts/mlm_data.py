@@ -106,6 +106,9 @@ def _from_dataset(dataset, column: str, split: str, name: str):
         dataset = dataset[split]
     if column not in dataset.column_names:
         raise ValueError(f"--corpus {name}: no column {column!r} (has {dataset.column_names}); pick one with --text-column")
+    feature = dataset.features[column]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise ValueError(f"--corpus {name}: column {column!r} holds {feature}, not text; pick a text column with --text-column")
     dataset = dataset.select_columns([column])
     if column != "text":
         dataset = dataset.rename_column(column, "text")

@@ -169,6 +169,20 @@ def card_values(run_state: dict, model: torch.nn.Module, title: str, checkpoint:
     }
 
 
+def training_output(path: Path) -> str | None:
+    """What pretraining output `path` holds (a checkpoint, a checkpoints folder, a run folder), or None: an export
+    never replaces one, even with --overwrite (a resume would then find a Hub folder where its state was)."""
+    if not path.is_dir():
+        return None
+    if (path / "run_state.json").is_file():
+        return "a pretraining checkpoint"
+    if (path / "latest").is_file() or any(path.glob("*/run_state.json")):
+        return "a pretraining checkpoints folder"
+    if (path / "checkpoints").is_dir():
+        return "a pretraining run folder"
+    return None
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Consolidate, check and write `checkpoint` as a Hub-ready folder at `out`; returns `out`."""
     from transformers import AutoTokenizer
@@ -178,6 +192,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool =
 
     checkpoint = resolve_checkpoint(checkpoint)
     out = Path(out)
+    held = training_output(out)
+    if held:
+        raise ValueError(f"--out {out} is {held}: an export never replaces training output; choose another --out")
     check_output(out, overwrite=overwrite, sources=[checkpoint], what="--out")
     run_state = json.loads((checkpoint / "run_state.json").read_text())
     spec = json.loads((checkpoint / "model_config.json").read_text())

@@ -541,6 +541,9 @@ def test_output_and_flag_problems(tmp_path, capsys):
                            (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps")):  # fmt: skip
         code, err = run_main(["sentiment", *flags, "--output_dir", str(tmp_path / "new"), *TINY], capsys)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    for steps in (["--max_steps", "0"], ["--max_steps", "-1", "--num_train_epochs", "0"]):  # after TINY's --max_steps
+        code, err = run_main(["sentiment", "--output_dir", str(tmp_path / "new"), *TINY, *steps], capsys)
+        assert code == 2 and "trains no step: give --num_train_epochs > 0 or --max_steps >= 1" in err, err
     assert not (tmp_path / "new").exists()
 
 

@@ -108,6 +108,21 @@ def test_a_deep_copy_grows_on_its_own_buffers():
     assert twin._buffers[0].data_ptr() != ours._buffers[0].data_ptr()
 
 
+def test_a_shallow_copy_writes_into_buffers_of_its_own():
+    """Both layers would otherwise write their next token into the same free slot of one buffer."""
+    ours, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
+    ours.update(*states(4, seed=0))
+    theirs.update(*states(4, seed=0))
+    twin, theirs_twin = copy.copy(ours), copy.copy(theirs)
+    ours.update(*states(1, seed=1))
+    twin.update(*states(1, seed=2))
+    theirs.update(*states(1, seed=1))
+    theirs_twin.update(*states(1, seed=2))
+    assert_same(ours, theirs)
+    assert_same(twin, theirs_twin)
+    assert twin._buffers[0].data_ptr() != ours._buffers[0].data_ptr()
+
+
 def test_states_of_another_shape_are_refused_by_name(small_room):
     layer = RoFormerRopeKeyValueCacheLayer()
     layer.update(*states(3, seed=0))

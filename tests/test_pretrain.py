@@ -135,6 +135,15 @@ def test_export_on_demand_refuses_to_overwrite(finished, tmp_path, refused_here)
     assert (out / "model.safetensors").is_file()
     again = refused_here("--export", str(finished / "checkpoints"), "--out", str(out))
     assert again.returncode == 2 and "already exists (pass --overwrite" in again.stderr
+    # --overwrite never replaces training output: another checkpoint (a resume's state), a run folder
+    live = finished / "checkpoints" / "stage2-step2"
+    before = sorted(p.name for p in live.iterdir())
+    onto = refused_here("--export", str(finished / "checkpoints" / "stage3-step0"), "--out", str(live), "--overwrite")
+    assert onto.returncode == 2 and "is a pretraining checkpoint: an export never replaces training output" in onto.stderr
+    assert sorted(p.name for p in live.iterdir()) == before
+    (tmp_path / "other-run" / "checkpoints").mkdir(parents=True)
+    onto = refused_here("--export", str(finished), "--out", str(tmp_path / "other-run"), "--overwrite")
+    assert onto.returncode == 2 and "is a pretraining run folder" in onto.stderr
 
 
 def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config, tmp_path):

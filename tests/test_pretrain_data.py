@@ -244,6 +244,17 @@ def test_an_empty_corpus_file_is_named(tmp_path):
     assert mlm_data.load_texts([str(tmp_path / "empty.txt"), str(tmp_path / "one.txt")])["text"] == ["今天天气非常好。"]
 
 
+def test_a_saved_dataset_column_must_hold_text(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"label": [1, 0], "body": ["今天天气非常好。", "  "]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match="column 'label' holds Value\\('int64'.*not text; pick a text column"):
+        mlm_data.load_texts([str(tmp_path / "saved")], column="label")
+    with pytest.raises(ValueError, match="no column 'text' \\(has \\['label', 'body'\\]\\)"):
+        mlm_data.load_texts([str(tmp_path / "saved")])
+    assert mlm_data.load_texts([str(tmp_path / "saved")], column="body")["text"] == ["今天天气非常好。"]
+
+
 def test_a_vocabulary_of_special_tokens_only_is_refused(tmp_path):
     from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
 
