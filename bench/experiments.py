@@ -60,6 +60,8 @@ Experiments
   views vs on compact copies made once per group (why `eager_attention_in_blocks` copies them).
 - eager_padding: one layer's inference attention under a key-padding mask, each batch row on its kept keys vs the
   masked computation on every key: eager in blocks (bf16) and the oneDNN kernel (float32, bf16 PV).
+- eager_scratch: bf16 forward with attention forced to eager attention in blocks, each block's scores and weights in
+  two scratch buffers reused by every block vs fresh tensors per block (the same bits), vs the built-in in bf16.
 - bf16_shapes: bf16 forward, built-in vs ours, at any `--shapes`, unpadded and half padded (around run_all's two);
   fp32_shapes: the same in float32.
 - eager_blocks: one layer's inference attention per dtype, SDPA vs our oneDNN kernel vs eager attention in blocks of
@@ -1599,6 +1601,42 @@ def bf16_shapes(layers: int, reps: int, shapes, dtype: torch.dtype = torch.bfloa
     print("\nattention decisions: " + "; ".join(f"{tuple(d['class'][1:])} → {d['choice']}" for d in chosen))
 
 
+def eager_scratch(layers: int, reps: int, shapes) -> None:
+    """bf16 forward, attention forced to `eager_attention_in_blocks`, its blocks in reused scratch buffers vs in fresh
+    tensors (`SCRATCH`), vs the built-in in bf16; outputs checked identical between the two."""
+    from modeling_roformer_rope import eager_attention_roformer_rope as eager
+
+    if not native_bf16():
+        print("bf16 is emulated on this CPU (see README): eager attention in blocks is no candidate here; not timed")
+        return
+    builtin, ours = (m.to(torch.bfloat16) for m in make_pair(layers, max(512, max(t for _, t in shapes))))
+    print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers, bfloat16, attention=eager")
+    print("| B×T | built-in ms | ours, fresh blocks ms | ours, scratch buffers ms | fresh / scratch | built-in / ours (scratch) |")
+    print("|---|---|---|---|---|---|")
+
+    def ours_with(scratch: bool, inputs):
+        eager.SCRATCH = scratch
+        try:
+            return ours(**inputs).last_hidden_state
+        finally:
+            eager.SCRATCH = True
+
+    before = calibration._forced.get("attention")
+    calibration._forced["attention"] = "eager"  # not `force`: the linear layers' measured choices stay
+    try:
+        for batch, length in shapes:
+            inputs = random_batch(batch, length)
+            with torch.no_grad():
+                same = torch.equal(ours_with(False, inputs), ours_with(True, inputs))
+                t = interleaved({"builtin": partial(builtin, **inputs), "fresh": partial(ours_with, False, inputs),
+                                 "scratch": partial(ours_with, True, inputs)}, reps=reps, warmup=2)  # fmt: skip
+            print(f"| {batch}×{length} | {t.ms('builtin'):.1f} | {t.ms('fresh'):.1f} | {t.ms('scratch'):.1f} "
+                  f"| {t.ratio('fresh', 'scratch'):.3f}× | {t.ratio('builtin', 'scratch'):.2f}× |"
+                  + ("" if same else " (outputs differ!)"), flush=True)  # fmt: skip
+    finally:
+        calibration._forced["attention"] = before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -1643,6 +1681,7 @@ def main() -> None:
         "eager_blocks": lambda: eager_blocks(R, shapes),
         "eager_compact": lambda: eager_compact(R, shapes),
         "eager_padding": lambda: eager_padding(R, shapes),
+        "eager_scratch": lambda: eager_scratch(L, R, shapes),
         "bf16_shapes": lambda: bf16_shapes(L, R, shapes),
         "fp32_shapes": lambda: bf16_shapes(L, R, shapes, torch.float32),
     }

@@ -108,6 +108,9 @@ def fully_masked_rows(attention_mask: torch.Tensor) -> torch.Tensor:
 # as fast up to 2048 keys but 11% slower at 4096 (1024-query blocks), where the attention decision's proxy times one
 # 512-query block (`_proxy` in `onednn_attention_roformer_rope.py`): with 2²¹ the proxy's block is the real one.
 BLOCK_SCORES = 1 << 21
+# Blocks computed in two reused scratch buffers (below); False: fresh tensors per block, as before (an experiment's
+# switch: `python bench/experiments.py --only eager_scratch` times both).
+SCRATCH = True
 
 
 def eager_attention_in_blocks(
@@ -157,6 +160,14 @@ def eager_attention_in_blocks(
         dead = fully_masked_rows(attention_mask)
     if dead is not None and not bool(dead.any()):
         dead = False  # (one host read for the call, not one per block)
+    # Two scratch buffers of one block's scores, reused by every block (scores, then the softmax's weights): a fresh
+    # 4-MiB block per GEMM and per softmax cost the allocator and the first touch of new pages each time (bf16, a
+    # layer at 1×4096 on a Zen 4 EPYC: 227-233 → 204-206 ms, the same bits; `python bench/experiments.py --only
+    # eager_scratch`). Not under autograd (an `out=` GEMM has no backward) nor off the CPU.
+    scratch = None
+    if SCRATCH and query.device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+        numel = min(batch, B) * heads * min(rows, T) * S
+        scratch = (torch.empty(numel, dtype=query.dtype), torch.empty(numel, dtype=query.dtype))
     for b in range(0, B, batch):
         n, index = kept_keys(padding, kept, b) if padding is not None else (S, None)  # the row's keys: (n,) or all
         if n == 0:  # every key masked: zeros, as SDPA gives
@@ -176,15 +187,51 @@ def eager_attention_in_blocks(
                 block = (slice(b, b + batch), slice(h, h + heads), slice(t, t + rows))
                 if is_causal:
                     m = keys <= torch.arange(t, min(t + rows, T), device=query.device).unsqueeze(1)  # (rows, S)
+                    if scratch is not None:  # as `attention_weights` adds a bool mask (on the CPU: in the scores' dtype)
+                        m = additive_mask(m, query.dtype)[0]
                     rows_dead = False
                 elif attention_mask is not None:  # sliced where it is not broadcast: (b | 1, h | 1, rows | 1, S | 1)
                     m = attention_mask[tuple(part if n > 1 else slice(None) for part, n in zip(block, attention_mask.shape))]
                     rows_dead = dead if dead is False else dead[tuple(part if n > 1 else slice(None) for part, n in zip(block, dead.shape))]
                 else:
                     m, rows_dead = None, None
-                weights = attention_weights(query[block], k, m, scaling, rows_dead)  # (b, h, rows, S)
-                out[b : b + batch, t : t + rows, h : h + heads] = torch.matmul(weights, v).transpose(1, 2)
+                if scratch is not None and (m is None or (m.is_floating_point() and torch.result_type(query, m) == query.dtype)):
+                    weights = _weights_into(scratch, query[block], k, m, scaling, rows_dead)  # (b, h, rows, S)
+                else:
+                    weights = attention_weights(query[block], k, m, scaling, rows_dead)  # (b, h, rows, S)
+                if scratch is not None:  # (b·h, rows, S) @ (b·h, S, Dv) → (b, h, rows, Dv)
+                    pv = torch.bmm(weights.view(-1, *weights.shape[2:]), v.reshape(-1, *v.shape[2:]))
+                    pv = pv.view(*weights.shape[:3], -1)
+                else:
+                    pv = torch.matmul(weights, v)  # (b, h, rows, Dv)
+                out[b : b + batch, t : t + rows, h : h + heads] = pv.transpose(1, 2)
     return out  # (B, T, H, Dv)
+
+
+def _weights_into(
+    scratch: tuple[torch.Tensor, torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dead: torch.Tensor | bool | None,
+) -> torch.Tensor:
+    """`attention_weights` on the CPU for a mask of the queries' dtype (or none), computed in the flat `scratch`
+    buffers: the same ops in the same dtype (the scores' softmax in their own dtype, as there), written in place."""
+    shape = (*query.shape[:3], key.shape[2])  # (b, h, rows, S)
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    scores, weights = scratch[0][:numel].view(shape), scratch[1][:numel].view(shape)
+    # one bmm over the block's heads: (b·h, rows, D) @ (b·h, D, S); matmul's 4-D out= path ran ~7% slower
+    q = (query * scaling).reshape(-1, *query.shape[2:])  # (b·h, rows, D) (the product keeps the query's strides)
+    torch.bmm(q, key.reshape(-1, *key.shape[2:]).transpose(1, 2), out=scores.view(-1, *shape[2:]))
+    if attention_mask is not None:
+        scores.add_(attention_mask)
+    if dead is None and attention_mask is not None:
+        dead = fully_masked_rows(attention_mask)
+    torch._softmax(scores, -1, False, out=weights)  # what `softmax(scores, -1)` runs, into `weights`
+    if dead is not None and dead is not False and dead.any():
+        weights.masked_fill_(dead[..., None], 0.0)
+    return weights
 
 
 def eager_blocks_forward(

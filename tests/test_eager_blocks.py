@@ -57,6 +57,44 @@ def test_equals_eager_on_the_whole_problem(monkeypatch, block_scores, mask, B, H
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("block_scores", [1 << 22, 300, 7])
+@pytest.mark.parametrize("mask", [*MASKS, "causal", "key padding", "bf16 float", "dead rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scratch_buffers_give_the_bits_of_fresh_blocks(monkeypatch, block_scores, mask, dtype):
+    """Blocks computed in the two reused scratch buffers (bmm `out=`, softmax `out=`, mask and dead rows in place)
+    equal blocks computed in fresh tensors, bit for bit, and leave no trace between calls; under autograd the
+    blocks are fresh (an `out=` GEMM has no backward) and gradients flow."""
+    monkeypatch.setattr(ea, "BLOCK_SCORES", block_scores)
+    B, H, T, S = 2, 3, 24, 30
+    q, k, v = (x.to(dtype) for x in views(B, H, T, S))
+    causal = mask == "causal"
+    if mask == "key padding":
+        m = padding_mask(B, T, S, [30, 11])
+    elif mask == "bf16 float":
+        m = MASKS["float"](B, H, T, S).to(dtype)
+    elif mask == "dead rows":
+        m = torch.ones(B, 1, T, S, dtype=torch.bool)
+        m[1, :, 5] = False
+    else:
+        m = None if causal else MASKS[mask](B, H, T, S)
+    monkeypatch.setattr(ea, "SCRATCH", False)
+    fresh = ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal)
+    monkeypatch.setattr(ea, "SCRATCH", True)
+    calls = []
+    real = ea._weights_into
+    monkeypatch.setattr(ea, "_weights_into", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal), fresh)
+    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal), fresh)  # no state kept
+    mixed = mask == "float" and dtype == torch.bfloat16  # a float32 mask on bf16 scores: promoted, computed fresh
+    assert bool(calls) != mixed
+    if mask == "dead rows":
+        assert (fresh[1, 5] == 0).all()
+    calls.clear()
+    q.requires_grad_(True)
+    ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal).float().sum().backward()
+    assert not calls and q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def padding_mask(B, T, S, lengths, full_rows=True):
     """A key-padding mask: batch row b attends to its first lengths[b] keys, as (B, 1, T, S) (what transformers builds
     from a 2-D padding mask) or (B, 1, 1, S)."""
