@@ -60,12 +60,13 @@ def render_model_card(values: dict[str, str], template: str = TF_TEMPLATE) -> st
 
 
 _LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+_-]*")
+_YAML_WORDS = {"null", "true", "false", "yes", "no", "on", "off", "y", "n", "nan", "inf"}  # YAML reads these as non-strings
 
 
 def check_license(license: str) -> str:
     """`license` as a Hub license id (`apache-2.0`, `mit`, `cc-by-4.0`, `other`, ...): it goes into the card's
     YAML metadata verbatim, where a space, a colon or a newline would break or change the metadata."""
-    if not isinstance(license, str) or not _LICENSE_ID.fullmatch(license):
+    if not isinstance(license, str) or not _LICENSE_ID.fullmatch(license) or license in _YAML_WORDS or not re.search("[a-z]", license):
         raise ConversionError(
             f"--license {license!r} is not a license id (lowercase letters, digits and . + _ -, e.g. apache-2.0, "
             "mit, cc-by-4.0, other)"

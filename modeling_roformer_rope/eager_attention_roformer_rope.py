@@ -165,9 +165,10 @@ def eager_attention_in_blocks(
     # layer at 1×4096 on a Zen 4 EPYC: 227-233 → 204-206 ms, the same bits; `python bench/experiments.py --only
     # eager_scratch`). Not under autograd (an `out=` GEMM has no backward) nor off the CPU.
     scratch = None
-    if SCRATCH and query.device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+    tracked = (query, key, value, attention_mask)  # (a float mask may be a learned bias)
+    if SCRATCH and query.device.type == "cpu" and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked)):
         numel = min(batch, B) * heads * min(rows, T) * S
-        scratch = (torch.empty(numel, dtype=query.dtype), torch.empty(numel, dtype=query.dtype))
+        scratch = tuple(torch.empty(numel, dtype=query.dtype, device=query.device) for _ in range(2))
     for b in range(0, B, batch):
         n, index = kept_keys(padding, kept, b) if padding is not None else (S, None)  # the row's keys: (n,) or all
         if n == 0:  # every key masked: zeros, as SDPA gives

@@ -75,9 +75,10 @@ def load_texts(corpus: Sequence[str] | None = None, column: str = "text", split:
             files.append(str(path))
         elif len(corpus) == 1 and not path.suffix:
             try:  # a dataset name (cached locally; nothing is downloaded when HF_DATASETS_OFFLINE=1)
-                return _from_dataset(datasets.load_dataset(item, split=split), column, split, item)
+                loaded = datasets.load_dataset(item, split=split)
             except Exception as error:  # noqa: BLE001 - any loader failure means: not a usable corpus
                 raise FileNotFoundError(f"--corpus {item}: no such file or directory, nor a loadable dataset ({error})") from None
+            return _from_dataset(loaded, column, split, item)  # (its own errors name the split or column)
         else:
             raise FileNotFoundError(f"--corpus {item}: no such file or directory")
     nonempty = [name for name in files if Path(name).stat().st_size > 0]
@@ -107,7 +108,7 @@ def _from_dataset(dataset, column: str, split: str, name: str):
     if column not in dataset.column_names:
         raise ValueError(f"--corpus {name}: no column {column!r} (has {dataset.column_names}); pick one with --text-column")
     feature = dataset.features[column]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "string_view")):
         raise ValueError(f"--corpus {name}: column {column!r} holds {feature}, not text; pick a text column with --text-column")
     dataset = dataset.select_columns([column])
     if column != "text":

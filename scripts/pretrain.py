@@ -68,6 +68,7 @@ from .pretrain_config import (
     load_run_config,
     model_config,
 )
+from .pretrain_export import RUN_MARKER
 
 logger = logging.getLogger("roformer_rope.pretrain")
 
@@ -641,8 +642,8 @@ class Run:
 
 
 # What a run writes before its first checkpoint.
-# Written into --out at a run's first write: only a folder carrying it can be started over (never a user's own).
-RUN_MARKER = ".roformer_rope_run"
+# RUN_MARKER (`pretrain_export.py`, whose export never replaces a folder carrying it) is written into --out at a
+# run's first write: only a folder carrying it can be started over (never a user's own).
 EARLY_ENTRIES = frozenset({RUN_MARKER, "tokenizer", "data", "checkpoints", "train_log.jsonl", "tensorboard"})
 
 

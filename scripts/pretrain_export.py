@@ -169,6 +169,9 @@ def card_values(run_state: dict, model: torch.nn.Module, title: str, checkpoint:
     }
 
 
+RUN_MARKER = ".roformer_rope_run"  # the file `pretrain` writes into a run folder before anything else
+
+
 def training_output(path: Path) -> str | None:
     """What pretraining output `path` holds (a checkpoint, a checkpoints folder, a run folder), or None: an export
     never replaces one, even with --overwrite (a resume would then find a Hub folder where its state was)."""
@@ -178,8 +181,11 @@ def training_output(path: Path) -> str | None:
         return "a pretraining checkpoint"
     if (path / "latest").is_file() or any(path.glob("*/run_state.json")):
         return "a pretraining checkpoints folder"
-    if (path / "checkpoints").is_dir():
+    if (path / "checkpoints").is_dir() or (path / RUN_MARKER).is_file():
         return "a pretraining run folder"
+    inner = next((p.parent for p in path.rglob(RUN_MARKER)), None) or next((p.parent for p in path.rglob("run_state.json")), None)
+    if inner is not None:
+        return f"a folder holding pretraining output ({inner})"
     return None
 
 

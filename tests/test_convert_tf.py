@@ -234,9 +234,10 @@ def test_unilm_without_pooler_and_v2_applications(converted, tmp_path):
         convert_checkpoint(FIXTURES / "v1", tmp_path / "wrong", model_kind="v2-sim")
 
 
-@pytest.mark.parametrize("license", ["apache 2.0", "mit\ntags: [x]", "MIT", "cc: by", ""])
+@pytest.mark.parametrize("license", ["apache 2.0", "mit\ntags: [x]", "MIT", "cc: by", "", "null", "no", "1.0"])
 def test_a_license_that_is_no_license_id_is_refused_before_anything_is_written(tmp_path, license):
-    """The id goes verbatim into the card's YAML metadata: a space, colon, newline or capital is refused."""
+    """The id goes verbatim into the card's YAML metadata: a space, colon, newline or capital is refused, and so is a
+    word or number YAML reads as something else than a string."""
     with pytest.raises(ConversionError, match="--license .* is not a license id"):
         convert_checkpoint(FIXTURES / "v1", tmp_path / "out", license=license)
     assert not (tmp_path / "out").exists()

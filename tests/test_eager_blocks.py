@@ -93,6 +93,10 @@ def test_scratch_buffers_give_the_bits_of_fresh_blocks(monkeypatch, block_scores
     q.requires_grad_(True)
     ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal).float().sum().backward()
     assert not calls and q.grad is not None and torch.isfinite(q.grad).all()
+    if m is not None and m.is_floating_point():  # a learned bias: tracked, so fresh blocks, and its gradient flows
+        q, bias = q.detach(), m.detach().requires_grad_(True)
+        ea.eager_attention_in_blocks(q, k, v, bias, 0.25).float().sum().backward()
+        assert not calls and bias.grad is not None and torch.isfinite(bias.grad).all()
 
 
 def padding_mask(B, T, S, lengths, full_rows=True):

@@ -144,6 +144,13 @@ def test_export_on_demand_refuses_to_overwrite(finished, tmp_path, refused_here)
     (tmp_path / "other-run" / "checkpoints").mkdir(parents=True)
     onto = refused_here("--export", str(finished), "--out", str(tmp_path / "other-run"), "--overwrite")
     assert onto.returncode == 2 and "is a pretraining run folder" in onto.stderr
+    early = tmp_path / "early-run"  # stopped before its first checkpoint: its marker and data/ only
+    (early / "data").mkdir(parents=True)
+    (early / ".roformer_rope_run").write_text("a run\n")
+    onto = refused_here("--export", str(finished), "--out", str(early), "--overwrite")
+    assert onto.returncode == 2 and "is a pretraining run folder" in onto.stderr and (early / "data").is_dir()
+    onto = refused_here("--export", str(finished), "--out", str(tmp_path), "--overwrite")  # runs inside it
+    assert onto.returncode == 2 and "is a folder holding pretraining output" in onto.stderr
 
 
 def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config, tmp_path):
