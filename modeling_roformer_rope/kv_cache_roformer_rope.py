@@ -11,7 +11,8 @@ a 2-core Xeon (family 6 model 167): 1.01× after a 16-token prompt, 1.04× after
 Same contract as `DynamicLayer`: `keys` / `values` are (B, H, S, D) tensors of the S tokens written (views into the
 buffers: strided in the head axis), `get_seq_length` is S, and every method transformers' caches call on a layer
 (`crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `offload`, `reset`) works as
-inherited: where one replaces `keys` / `values` with new tensors, the next `update` copies them into fresh buffers
+inherited but `reorder_cache` (beam search, every step), which reorders the buffers themselves: where one replaces
+`keys` / `values` with new tensors, the next `update` copies them into fresh buffers
 (a `copy.deepcopy` of the cache copies the buffers and keeps the views on them; a `copy.copy` of a layer gets
 buffers of its own at its next `update`). Writes go only past the written slots of the views this layer handed out last, so a tensor returned by an
 earlier `update` is never changed. Under torch.compile / export and with grad enabled (training, or a backward
@@ -51,6 +52,26 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
         clone._buffers = clone._handed = None  # its next `update` copies what it holds into buffers of its own
         return clone
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search, every step: the buffers' batch rows reordered, room included, so the next `update` writes in
+        place again (`DynamicLayer`'s reorder copies the held tokens into new tensors, and our next update would copy
+        them a second time into new buffers). New buffers: the views handed out before keep their values."""
+        if self._buffers is None or not self._holds_handed() or torch.is_grad_enabled() or tracing():
+            super().reorder_cache(beam_idx)
+            return
+        past = self.keys.shape[-2]
+        keys, values = (buffer.index_select(0, beam_idx.to(buffer.device)) for buffer in self._buffers)  # (B, H, C, ·)
+        self._buffers = (keys, values)
+        self.keys, self.values = keys[:, :, :past], values[:, :, :past]  # (B, H, S, ·) views
+        self._handed = (self.keys, self.values)
+
+    def _holds_handed(self) -> bool:
+        """The buffers hold the keys/values as last handed out (not replaced since by `crop`, ...) and may be written
+        (not made under `torch.inference_mode` when outside it)."""
+        if self._handed is None or self.keys is not self._handed[0] or self.values is not self._handed[1]:
+            return False
+        return not (self._buffers[0].is_inference() and not torch.is_inference_mode_enabled())
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._buffers = self._handed = None
@@ -85,13 +106,9 @@ class RoFormerRopeKeyValueCacheLayer(DynamicLayer):
     def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor, tokens: int) -> bool:
         """The buffers hold this layer's keys/values as last handed out (not replaced since by `crop`,
         `reorder_cache`, ...), match the new states' batch, heads, sizes, dtype and device, and have `tokens` slots."""
-        if self._buffers is None or self._handed is None:
-            return False
-        if self.keys is not self._handed[0] or self.values is not self._handed[1]:
+        if self._buffers is None or not self._holds_handed():
             return False
         keys, values = self._buffers
-        if keys.is_inference() and not torch.is_inference_mode_enabled():  # made under inference_mode: read-only now
-            return False
         return keys.shape[2] >= tokens and _same_layout(keys, key_states) and _same_layout(values, value_states)
 
     def _regrow(self, key_states: torch.Tensor, value_states: torch.Tensor, past: int, tokens: int) -> None:

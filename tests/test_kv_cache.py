@@ -92,6 +92,26 @@ def test_after_each_operation_transformers_calls_the_layer_matches_dynamic_layer
     assert torch.equal(*before)  # the views handed out before the operation kept their values
 
 
+def test_beam_reordering_keeps_writing_in_place():
+    """Beam search reorders every step: the buffers are reordered (room included), so the next steps write in place,
+    and the views handed out before keep their values."""
+    ours, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
+    for step, tokens in enumerate([6, 1]):
+        ours.update(*states(tokens, seed=step, batch=3))
+        theirs.update(*states(tokens, seed=step, batch=3))
+    before = (ours.keys, ours.keys.clone())
+    for step in range(2, 6):
+        beams = torch.tensor([[2, 0, 0], [1, 1, 2], [0, 2, 1], [2, 2, 2]][step - 2])
+        ours.reorder_cache(beams)
+        theirs.reorder_cache(beams)
+        buffer = ours._buffers[0].data_ptr()
+        ours.update(*states(1, seed=step, batch=3))
+        theirs.update(*states(1, seed=step, batch=3))
+        assert_same(ours, theirs)
+        assert ours._buffers[0].data_ptr() == buffer  # written in place after the reorder
+    assert torch.equal(*before)
+
+
 def test_a_deep_copy_grows_on_its_own_buffers():
     """A copied cache (a prompt cache reused for two continuations) continues apart from the original."""
     ours, theirs = RoFormerRopeKeyValueCacheLayer(), DynamicLayer()
