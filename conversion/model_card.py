@@ -59,14 +59,14 @@ def render_model_card(values: dict[str, str], template: str = TF_TEMPLATE) -> st
         raise ConversionError(f"model card template {template} needs a value for {error}") from None
 
 
-_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+_-]*")
+_LICENSE_ID = re.compile(r"(?=[^a-z]*[a-z])[a-z0-9][a-z0-9.+_-]*")  # at least one letter: no bare number
 _YAML_WORDS = {"null", "true", "false", "yes", "no", "on", "off", "y", "n", "nan", "inf"}  # YAML reads these as non-strings
 
 
 def check_license(license: str) -> str:
     """`license` as a Hub license id (`apache-2.0`, `mit`, `cc-by-4.0`, `other`, ...): it goes into the card's
     YAML metadata verbatim, where a space, a colon or a newline would break or change the metadata."""
-    if not isinstance(license, str) or not _LICENSE_ID.fullmatch(license) or license in _YAML_WORDS or not re.search("[a-z]", license):
+    if not isinstance(license, str) or not _LICENSE_ID.fullmatch(license) or license in _YAML_WORDS:
         raise ConversionError(
             f"--license {license!r} is not a license id (lowercase letters, digits and . + _ -, e.g. apache-2.0, "
             "mit, cc-by-4.0, other)"
@@ -120,7 +120,7 @@ def tf_card_values(result, config, source: str, title: str, repo_id: str | None,
         "usage_extra": string.Template(_usage_extra(result.kind, result.pooler, encoder_only)).safe_substitute(
             repo_id=repo
         ),
-        "license": check_license(license),
+        "license": license,  # checked by `check_license` before the conversion
         "pipeline_tag": pipeline,
         "tags": "\n".join(f"- {tag}" for tag in _TAGS[result.kind]),
         "title": title,

@@ -183,7 +183,7 @@ def training_output(path: Path) -> str | None:
         return "a pretraining checkpoints folder"
     if (path / "checkpoints").is_dir() or (path / RUN_MARKER).is_file():
         return "a pretraining run folder"
-    inner = next((p.parent for p in path.rglob(RUN_MARKER)), None) or next((p.parent for p in path.rglob("run_state.json")), None)
+    inner = next((p.parent for p in path.rglob("*") if p.name in (RUN_MARKER, "run_state.json")), None)  # one walk
     if inner is not None:
         return f"a folder holding pretraining output ({inner})"
     return None
