@@ -1603,7 +1603,8 @@ def bf16_shapes(layers: int, reps: int, shapes, dtype: torch.dtype = torch.bfloa
 
 def eager_scratch(layers: int, reps: int, shapes) -> None:
     """bf16 forward, attention forced to `eager_attention_in_blocks`, its blocks in reused scratch buffers vs in fresh
-    tensors (`SCRATCH`), vs the built-in in bf16; outputs checked identical between the two."""
+    tensors (`SCRATCH`), and with the queries scaled once per call vs once per block (`SCALE_ONCE`), vs the built-in
+    in bf16; outputs checked identical between the three."""
     from modeling_roformer_rope import eager_attention_roformer_rope as eager
 
     if not native_bf16():
@@ -1611,15 +1612,16 @@ def eager_scratch(layers: int, reps: int, shapes) -> None:
         return
     builtin, ours = (m.to(torch.bfloat16) for m in make_pair(layers, max(512, max(t for _, t in shapes))))
     print(f"CPU: {machine()['CPU']}, torch threads {torch.get_num_threads()}, {layers} layers, bfloat16, attention=eager")
-    print("| B×T | built-in ms | ours, fresh blocks ms | ours, scratch buffers ms | fresh / scratch | built-in / ours (scratch) |")
-    print("|---|---|---|---|---|---|")
+    print("| B×T | built-in ms | ours, fresh blocks ms | ours, scratch, per-block scaling ms | ours, scratch, scaled once ms "
+          "| fresh / scaled once | per-block / scaled once | built-in / ours (scaled once) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
 
-    def ours_with(scratch: bool, inputs):
-        eager.SCRATCH = scratch
+    def ours_with(scratch: bool, inputs, once: bool = True):
+        eager.SCRATCH, eager.SCALE_ONCE = scratch, once
         try:
             return ours(**inputs).last_hidden_state
         finally:
-            eager.SCRATCH = True
+            eager.SCRATCH, eager.SCALE_ONCE = True, True
 
     before = calibration._forced.get("attention")
     calibration._forced["attention"] = "eager"  # not `force`: the linear layers' measured choices stay
@@ -1627,12 +1629,14 @@ def eager_scratch(layers: int, reps: int, shapes) -> None:
         for batch, length in shapes:
             inputs = random_batch(batch, length)
             with torch.no_grad():
-                same = torch.equal(ours_with(False, inputs), ours_with(True, inputs))
+                fresh = ours_with(False, inputs)
+                same = torch.equal(fresh, ours_with(True, inputs)) and torch.equal(fresh, ours_with(True, inputs, False))
                 t = interleaved({"builtin": partial(builtin, **inputs), "fresh": partial(ours_with, False, inputs),
-                                 "scratch": partial(ours_with, True, inputs)}, reps=reps, warmup=2)  # fmt: skip
-            print(f"| {batch}×{length} | {t.ms('builtin'):.1f} | {t.ms('fresh'):.1f} | {t.ms('scratch'):.1f} "
-                  f"| {t.ratio('fresh', 'scratch'):.3f}× | {t.ratio('builtin', 'scratch'):.2f}× |"
-                  + ("" if same else " (outputs differ!)"), flush=True)  # fmt: skip
+                                 "per_block": partial(ours_with, True, inputs, False),
+                                 "once": partial(ours_with, True, inputs)}, reps=reps, warmup=2)  # fmt: skip
+            print(f"| {batch}×{length} | {t.ms('builtin'):.1f} | {t.ms('fresh'):.1f} | {t.ms('per_block'):.1f} "
+                  f"| {t.ms('once'):.1f} | {t.ratio('fresh', 'once'):.3f}× | {t.ratio('per_block', 'once'):.3f}× "
+                  f"| {t.ratio('builtin', 'once'):.2f}× |" + ("" if same else " (outputs differ!)"), flush=True)  # fmt: skip
     finally:
         calibration._forced["attention"] = before
 

@@ -60,10 +60,12 @@ def test_equals_eager_on_the_whole_problem(monkeypatch, block_scores, mask, B, H
 @pytest.mark.parametrize("block_scores", [1 << 22, 300, 7])
 @pytest.mark.parametrize("mask", [*MASKS, "causal", "key padding", "bf16 float", "dead rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scratch_buffers_give_the_bits_of_fresh_blocks(monkeypatch, block_scores, mask, dtype):
-    """Blocks computed in the two reused scratch buffers (bmm `out=`, softmax `out=`, mask and dead rows in place)
-    equal blocks computed in fresh tensors, bit for bit, and leave no trace between calls; under autograd the
-    blocks are fresh (an `out=` GEMM has no backward) and gradients flow."""
+@pytest.mark.parametrize("scaling", [0.25, 0.1])
+def test_scratch_buffers_give_the_bits_of_fresh_blocks(monkeypatch, block_scores, mask, dtype, scaling):
+    """Blocks computed in the two reused scratch buffers (bmm `out=`, softmax `out=`, mask and dead rows in place),
+    with the queries scaled once per call or once per block, equal blocks computed in fresh tensors, bit for bit
+    (0.1: a scaling that rounds), and leave no trace between calls; under autograd the blocks are fresh (an `out=`
+    GEMM has no backward) and gradients flow."""
     monkeypatch.setattr(ea, "BLOCK_SCORES", block_scores)
     B, H, T, S = 2, 3, 24, 30
     q, k, v = (x.to(dtype) for x in views(B, H, T, S))
@@ -78,20 +80,23 @@ def test_scratch_buffers_give_the_bits_of_fresh_blocks(monkeypatch, block_scores
     else:
         m = None if causal else MASKS[mask](B, H, T, S)
     monkeypatch.setattr(ea, "SCRATCH", False)
-    fresh = ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal)
+    fresh = ea.eager_attention_in_blocks(q, k, v, m, scaling, is_causal=causal)
     monkeypatch.setattr(ea, "SCRATCH", True)
     calls = []
     real = ea._weights_into
     monkeypatch.setattr(ea, "_weights_into", lambda *a: calls.append(1) or real(*a))
-    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal), fresh)
-    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal), fresh)  # no state kept
+    monkeypatch.setattr(ea, "SCALE_ONCE", False)
+    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, scaling, is_causal=causal), fresh)
+    monkeypatch.setattr(ea, "SCALE_ONCE", True)
+    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, scaling, is_causal=causal), fresh)
+    assert torch.equal(ea.eager_attention_in_blocks(q, k, v, m, scaling, is_causal=causal), fresh)  # no state kept
     mixed = mask == "float" and dtype == torch.bfloat16  # a float32 mask on bf16 scores: promoted, computed fresh
     assert bool(calls) != mixed
     if mask == "dead rows":
         assert (fresh[1, 5] == 0).all()
     calls.clear()
     q.requires_grad_(True)
-    ea.eager_attention_in_blocks(q, k, v, m, 0.25, is_causal=causal).float().sum().backward()
+    ea.eager_attention_in_blocks(q, k, v, m, scaling, is_causal=causal).float().sum().backward()
     assert not calls and q.grad is not None and torch.isfinite(q.grad).all()
     if m is not None and m.is_floating_point():  # a learned bias: tracked, so fresh blocks, and its gradient flows
         q, bias = q.detach(), m.detach().requires_grad_(True)
