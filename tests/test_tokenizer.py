@@ -529,6 +529,25 @@ def test_fuzz_very_long_lines(ours, ref, lines, n, seed):
     assert max(map(len, got["input_ids"])) == 256
 
 
+def test_overflow_windows_align_offsets_with_the_starts_computed_once(ours, ref, lines, monkeypatch):
+    """Every window of a long text maps its offsets with the pieces' start positions computed once for the text
+    (recomputed per window, offsets cost windows × pieces: quadratic in the text's length); offsets and overflow
+    mapping equal the built-in's, single text and pair."""
+    from modeling_roformer_rope import offsets_roformer_rope as offsets
+
+    calls = []
+    real = offsets.joined_starts
+    monkeypatch.setattr(offsets, "joined_starts", lambda pieces: calls.append(1) or real(pieces))
+    text, pair = "".join(lines[:80]), lines[80][:20]
+    kw = dict(truncation="only_first", max_length=96, stride=8, return_overflowing_tokens=True, return_offsets_mapping=True)
+    for args, sequences in (((text,), 1), ((text, pair), 2)):
+        calls.clear()
+        got, want = ours(*args, **kw), ref(*args, **kw, return_token_type_ids=True)
+        assert len(got["input_ids"]) > 20
+        assert_same(got, want, (*IDS, "offset_mapping", "overflow_to_sample_mapping"))
+        assert len(calls) == sequences
+
+
 @pytest.fixture(scope="session")
 def in_vocab_alphabet(vocab) -> list[str]:
     """Vocabulary entries that write themselves: no specials, no ## pieces, no ASCII letters or
