@@ -11,6 +11,7 @@ whitespace) could not store it. Such words are refused with a `ValueError` when 
 
 from __future__ import annotations
 
+import logging
 import operator
 import re
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 JiebaWord = tuple[str, int | None]
 
 _TAG = re.compile(r"[A-Za-z]+")  # a part-of-speech tag (`n`, `nr`, `ns`, ...), read and ignored
+
+logger = logging.getLogger(__name__)
 
 
 class JiebaSegmenter:
@@ -47,8 +50,7 @@ class JiebaSegmenter:
             rjieba = None
         if rjieba is not None:
             seg = rjieba.Jieba() if self.words else rjieba  # the module cuts with its default instance
-            for word, freq in self.words:
-                seg.add_word(word, freq, None)
+            add_words_as_jieba_does(seg, self.words)
             return lambda text: seg.cut(text, hmm=False)
         try:
             import jieba
@@ -65,6 +67,56 @@ class JiebaSegmenter:
         if self._tokenize is None:
             self._tokenize = self._build()
         return self._tokenize(text)
+
+
+# A dictionary entry no text can reach: jieba looks words up only inside runs of CJK, letters, digits and `+#&._%-`
+# (both jieba and rjieba), so this word is never cut out; its frequency only adds to the dictionary's total.
+_TOTAL_PAD = "\x00"
+
+
+def add_words_as_jieba_does(seg, words: list[JiebaWord]) -> None:
+    """Add `words` to the rjieba segmenter `seg` with jieba's arithmetic, so that it cuts as jieba (the original
+    code's segmenter) does.
+
+    Re-adding a word the dictionary holds, jieba adds the new frequency to its total and leaves the old one counted;
+    rjieba (jieba-rs) replaces the old frequency in its total. Every word's probability is its frequency over that
+    total, so ties in the best cut then break differently: one re-added word (`这样`, 100) turned jieba's `相结合`
+    into `相 | 结合`. The difference, the old frequencies, is kept in the total through `_TOTAL_PAD`, set after each
+    such word (so a later word without a frequency is suggested one from the same total, as in jieba)."""
+    replaced = 0  # old frequencies jieba still counts and rjieba dropped
+    held: dict[str, int] = {}  # frequencies set here, for a word added twice
+    known, unknown = None, []
+    for word, freq in words:
+        old = held.get(word)
+        if old is None and seg.has_word(word):
+            known = _dictionary_frequencies({w for w, _ in words}) if known is None else known
+            old = known.get(word)
+            if old is None:
+                unknown.append(word)
+        held[word] = seg.add_word(word, freq, None)  # the frequency set (rjieba's suggestion for None)
+        if old:
+            replaced += old
+            seg.add_word(_TOTAL_PAD, replaced, None)
+    if unknown:
+        logger.warning(
+            "%d jieba words are in rjieba's dictionary with frequencies unknown without the jieba package "
+            "(pip install jieba), e.g. %r: cuts near them may differ from jieba's", len(unknown), unknown[0]
+        )  # fmt: skip
+
+
+def _dictionary_frequencies(words: set[str]) -> dict[str, int]:
+    """Frequencies of `words` in jieba's default dictionary (the one rjieba embeds), {} without the jieba package."""
+    try:
+        import jieba
+    except ImportError:
+        return {}
+    found = {}
+    with jieba.dt.get_dict_file() as handle:  # `word freq [tag]` lines; a later line wins, as in jieba
+        for line in handle:
+            word, freq = line.decode("utf-8").split(" ", 2)[:2]
+            if word in words:
+                found[word] = int(freq)
+    return found
 
 
 def as_jieba_words(words: list[str | tuple[str, int | None]]) -> list[JiebaWord]:
