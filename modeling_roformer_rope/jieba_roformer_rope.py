@@ -35,9 +35,10 @@ class JiebaSegmenter:
     def __init__(self, words: list[JiebaWord] | None = None) -> None:
         self.words: list[JiebaWord] = list(words or [])
         self._tokenize = None
+        self.backend: str | None = None  # "rjieba" or "jieba" once built
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"words": self.words, "_tokenize": None}
+        return {"words": self.words, "_tokenize": None, "backend": None}
 
     def add_words(self, words: list[JiebaWord]) -> None:
         self.words.extend(words)
@@ -48,19 +49,30 @@ class JiebaSegmenter:
             import rjieba
         except ImportError:
             rjieba = None
-        if rjieba is not None:
-            seg = rjieba.Jieba() if self.words else rjieba  # the module cuts with its default instance
-            add_words_as_jieba_does(seg, self.words)
-            return lambda text: seg.cut(text, hmm=False)
         try:
             import jieba
         except ImportError:
-            raise ImportError(
-                "RoFormerRopeTokenizer needs a jieba segmenter: pip install rjieba (or pip install jieba)"
-            ) from None
+            jieba = None
+        # A frequency of 0 is jieba's way of deleting a word (it leaves the word out of every cut); rjieba keeps
+        # such a word and scores it log 0 = -inf, which can sink a whole sentence's best path: jieba itself, if
+        # installed, segments for such a dictionary.
+        deleting = any(freq == 0 for _, freq in self.words)
+        if rjieba is not None and (jieba is None or not deleting):
+            if deleting:
+                logger.warning(
+                    "jieba words with frequency 0 are cut as jieba cuts them only by the jieba package (pip install "
+                    "jieba); rjieba may still cut them out"
+                )  # fmt: skip
+            seg = rjieba.Jieba() if self.words else rjieba  # the module cuts with its default instance
+            add_words_as_jieba_does(seg, self.words)
+            self.backend = "rjieba"
+            return lambda text: seg.cut(text, hmm=False)
+        if jieba is None:
+            raise ImportError("RoFormerRopeTokenizer needs a jieba segmenter: pip install rjieba (or pip install jieba)")
         seg = jieba.Tokenizer() if self.words else jieba.dt
         for word, freq in self.words:
             seg.add_word(word, freq)
+        self.backend = "jieba"
         return lambda text: list(seg.cut(text, HMM=False))
 
     def __call__(self, text: str) -> list[str]:
@@ -82,7 +94,10 @@ def add_words_as_jieba_does(seg, words: list[JiebaWord]) -> None:
     rjieba (jieba-rs) replaces the old frequency in its total. Every word's probability is its frequency over that
     total, so ties in the best cut then break differently: one re-added word (`这样`, 100) turned jieba's `相结合`
     into `相 | 结合`. The difference, the old frequencies, is kept in the total through `_TOTAL_PAD`, set after each
-    such word (so a later word without a frequency is suggested one from the same total, as in jieba)."""
+    such word, so a later word without a frequency is suggested one from the same total. Not emulated: the two
+    suggest a frequency with different rounding (±1, jieba multiplies shares, jieba-rs adds logarithms), so a
+    dictionary holding many words without frequencies may still cut a rare line differently; frequency 0 is left to
+    jieba (`_build`)."""
     replaced = 0  # old frequencies jieba still counts and rjieba dropped
     held: dict[str, int] = {}  # frequencies set here, for a word added twice
     known, unknown = None, []
@@ -105,13 +120,14 @@ def add_words_as_jieba_does(seg, words: list[JiebaWord]) -> None:
 
 
 def _dictionary_frequencies(words: set[str]) -> dict[str, int]:
-    """Frequencies of `words` in jieba's default dictionary (the one rjieba embeds), {} without the jieba package."""
+    """Frequencies of `words` in jieba's default dictionary (the one rjieba embeds, whatever `jieba.set_dictionary`
+    chose for jieba's own default instance), {} without the jieba package."""
     try:
         import jieba
     except ImportError:
         return {}
     found = {}
-    with jieba.dt.get_dict_file() as handle:  # `word freq [tag]` lines; a later line wins, as in jieba
+    with jieba.Tokenizer().get_dict_file() as handle:  # `word freq [tag]` lines; a later line wins, as in jieba
         for line in handle:
             word, freq = line.decode("utf-8").split(" ", 2)[:2]
             if word in words:

@@ -59,8 +59,8 @@ class AlignedEncoding:
     def _align(self) -> None:
         # computed on first use only: most callers never ask for offsets or word ids
         word_ids, offsets = [], []
-        if not self._starts:  # (a list shared with the other windows: filled in place, once)
-            self._starts.extend(joined_starts(pieces) for _, _, pieces in self._locations)
+        if not self._starts:  # (a list shared with the other windows: filled in place, once, in one step)
+            self._starts[:] = [joined_starts(pieces) for _, _, pieces in self._locations]
         starts_in_joined = self._starts
         for piece, seq, (a, b) in zip(self._encoding.word_ids, self._encoding.sequence_ids, self._encoding.offsets):
             if piece is None:  # [CLS]/[SEP]/[PAD]

@@ -134,12 +134,13 @@ def test_read_dictionary_refuses_lines_it_cannot_read_back(tmp_path, line):
         read_jieba_dict(str(path))
 
 
-@pytest.mark.parametrize("kind", ["suggested", "given", "mixed"])
+@pytest.mark.parametrize("kind", ["suggested", "given", "mixed", "deleting"])
 def test_custom_words_cut_as_jieba_cuts_them_under_rjieba(kind):
     """Words jieba's dictionary already holds, re-added as user words (with a frequency, without one, some twice):
     the rjieba segmenter cuts real text as jieba (the original code's segmenter) does. jieba adds a re-added
     word's frequency to its total and rjieba replaced the old one there, which broke ties differently: with these
-    words 11 of the 6000 lines were cut differently before (`given`), 6 (`mixed`)."""
+    words 11 of the 6000 lines were cut differently before (`given`), 6 (`mixed`), and with 3000 words without
+    frequencies 29 (`suggested`). Frequency 0 (jieba's way to delete a word) is left to jieba itself."""
     import random
 
     jieba = pytest.importorskip("jieba")
@@ -148,22 +149,24 @@ def test_custom_words_cut_as_jieba_cuts_them_under_rjieba(kind):
 
     pytest.importorskip("snownlp")
     jieba.setLogLevel(60)
-    with jieba.dt.get_dict_file() as handle:
+    with jieba.Tokenizer().get_dict_file() as handle:
         in_dictionary = [line.split(b" ", 1)[0].decode("utf-8") for line in handle]
     rng = random.Random(0)
-    words = rng.sample(in_dictionary, 300) + ["相结合测", "两者相"]  # and two new words
+    words = rng.sample(in_dictionary, 3000 if kind == "suggested" else 300) + ["相结合测", "两者相"]  # + two new
     words += words[:20]  # added twice
     frequency = {
         "suggested": lambda: None,
-        "given": lambda: rng.randint(0, 5000),
+        "given": lambda: rng.randint(1, 5000),
         "mixed": lambda: rng.choice([None, rng.randint(1, 5000)]),
+        "deleting": lambda: rng.choice([0, rng.randint(1, 5000)]),
     }[kind]
     words = [(word, frequency()) for word in words]
     reference = jieba.Tokenizer()
     for word, freq in words:
         reference.add_word(word, freq)
     ours = JiebaSegmenter(words)
-    ours("")  # built now: rjieba's, as the tokenizer uses it
+    ours("")  # built now, as the tokenizer builds it
+    assert ours.backend == ("jieba" if kind == "deleting" else "rjieba")
     lines = people_daily_lines(4000) + [text for text, _ in review_lines(2000)]
     differ = [line for line in lines if ours(line) != list(reference.cut(line, HMM=False))]
     assert not differ, f"{len(differ)} of {len(lines)} lines cut differently, e.g. {differ[0]!r}"
