@@ -11,6 +11,7 @@ whitespace) could not store it. Such words are refused with a `ValueError` when 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import operator
 import re
@@ -49,15 +50,11 @@ class JiebaSegmenter:
             import rjieba
         except ImportError:
             rjieba = None
-        try:
-            import jieba
-        except ImportError:
-            jieba = None
         # A frequency of 0 is jieba's way of deleting a word (it leaves the word out of every cut); rjieba keeps
         # such a word and scores it log 0 = -inf, which can sink a whole sentence's best path: jieba itself, if
-        # installed, segments for such a dictionary.
+        # installed, segments for such a dictionary. (jieba is imported only where it segments: 45 ms.)
         deleting = any(freq == 0 for _, freq in self.words)
-        if rjieba is not None and (jieba is None or not deleting):
+        if rjieba is not None and (not deleting or not _installed("jieba")):
             if deleting:
                 logger.warning(
                     "jieba words with frequency 0 are cut as jieba cuts them only by the jieba package (pip install "
@@ -67,8 +64,12 @@ class JiebaSegmenter:
             add_words_as_jieba_does(seg, self.words)
             self.backend = "rjieba"
             return lambda text: seg.cut(text, hmm=False)
-        if jieba is None:
-            raise ImportError("RoFormerRopeTokenizer needs a jieba segmenter: pip install rjieba (or pip install jieba)")
+        try:
+            import jieba
+        except ImportError:
+            raise ImportError(
+                "RoFormerRopeTokenizer needs a jieba segmenter: pip install rjieba (or pip install jieba)"
+            ) from None
         seg = jieba.Tokenizer() if self.words else jieba.dt
         for word, freq in self.words:
             seg.add_word(word, freq)
@@ -79,6 +80,13 @@ class JiebaSegmenter:
         if self._tokenize is None:
             self._tokenize = self._build()
         return self._tokenize(text)
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # `sys.modules[name] = None`, the way to hide a package
+        return False
 
 
 # A dictionary entry no text can reach: jieba looks words up only inside runs of CJK, letters, digits and `+#&._%-`
