@@ -23,7 +23,7 @@ from roformer_rope.safe_write import OutputError, check_output, safe_output_fold
 from .json_object import read_json_object
 from .key_map import ConversionError, Rule, fuse_qkv, map_keys
 from .sinusoids import check_sinusoid_table, standard_table
-from .tokenizer_files import save_tokenizer, tokenizer_settings
+from .tokenizer_files import read_source_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,9 @@ def load_builtin_folder(folder: Path):
     problems = []
     for kind in ("missing", "unexpected", "mismatched"):
         # the sinusoid table is a function of its shape: transformers rebuilds a missing one exactly
-        keys = sorted(str(key) for key in info.get(f"{kind}_keys") or () if not (kind == "missing" and key == SINUSOID_KEY))
+        keys = sorted(
+            str(key) for key in info.get(f"{kind}_keys") or () if not (kind == "missing" and key == SINUSOID_KEY)
+        )
         if keys:
             problems.append(f"{len(keys)} {kind} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})")
     if problems:
@@ -271,12 +273,17 @@ def load_builtin_folder(folder: Path):
     return model
 
 
-def convert_folder(in_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Convert a built-in RoFormer folder into a `roformer_rope` folder (code, safetensors, tokenizer files).
+def convert_folder(
+    in_dir: str | Path, out_dir: str | Path, overwrite: bool = False, word_segmentation: str = "auto"
+) -> Path:
+    """Convert a built-in RoFormer folder into a `roformer_rope` folder (code, safetensors, tokenizer files,
+    the source's generation defaults).
 
     `out_dir` may not be, contain or lie inside `in_dir`. Writes into a temporary folder beside
     `out_dir` and swaps it in only after the converted model matched the built-in; on any error
-    `out_dir` is as it was and no temporary is left.
+    `out_dir` is as it was and no temporary is left. `word_segmentation` is the tokenizer's (see
+    `RoFormerRopeTokenizer`): "auto" cuts with jieba only a vocabulary that holds words, as the original
+    code did; "jieba" as the built-in RoFormerTokenizer cuts every vocabulary.
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     try:
@@ -290,10 +297,38 @@ def convert_folder(in_dir: str | Path, out_dir: str | Path, overwrite: bool = Fa
     dtype = next(builtin.parameters()).dtype
     if dtype != torch.float32:
         ours = ours.to(dtype)  # saved in the checkpoint's own precision (the rotary frequencies stay float32)
+    if ours.can_generate():
+        ours.generation_config = read_generation_config(in_dir, ours.generation_config)
+    source = read_source_tokenizer(in_dir)
     with safe_output_folder(out_dir, overwrite=overwrite, sources=[in_dir], what="--out") as tmp:
         ours.save_pretrained(tmp)
-        save_tokenizer(in_dir, tmp, **tokenizer_settings(in_dir))
+        written = save_tokenizer(
+            in_dir, tmp, added=source.added, word_segmentation=word_segmentation, **source.settings
+        )
+        saved = read_json_object(tmp / "tokenizer_config.json") if "tokenizer_config.json" in written else {}
+        if (source.class_name or "").startswith("RoFormerTokenizer") and saved.get("word_segmentation") == "none":
+            logger.warning(
+                "%s: a character vocabulary, tokenized without jieba as the original code did, where the built-in "
+                "RoFormerTokenizer cuts it with jieba (other ids on full-width digits, ...); convert with "
+                "--word-segmentation jieba to keep the built-in's cut (e.g. for a model fine-tuned with it)",
+                in_dir,
+            )
     return out_dir
+
+
+def read_generation_config(folder: Path, default):
+    """The generation defaults saved in `folder/generation_config.json` (eos ids, penalties, lengths, ...), else
+    `default` (the ones our config implies)."""
+    from transformers import GenerationConfig
+
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return default
+    read_json_object(path)  # a ConversionError naming the file if it is no JSON object
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, TypeError, ValueError) as error:
+        raise ConversionError(f"{path}: not a generation config transformers can load ({error})") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,9 +339,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", required=True, help="output folder for the roformer_rope model (never --model or inside it)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists (only after success)")
+    parser.add_argument(
+        "--word-segmentation",
+        choices=("auto", "jieba", "none"),
+        default="auto",
+        help="the tokenizer's jieba use: auto = only for a vocabulary holding words (the original code's cut), "
+        "jieba = always (the built-in RoFormerTokenizer's cut, e.g. for a model fine-tuned with it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    out = convert_folder(args.model, args.out, overwrite=args.overwrite)
+    out = convert_folder(args.model, args.out, overwrite=args.overwrite, word_segmentation=args.word_segmentation)
     print(f"wrote {out}")
     return 0

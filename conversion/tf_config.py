@@ -36,12 +36,15 @@ def read_bert_config(folder: Path) -> dict:
 
 
 def read_vocab(folder: Path) -> list[str] | None:
-    """Tokens of `vocab.txt` (one per line), or None when the release has none."""
+    """Tokens of `vocab.txt` (one per line), or None when the release has none. Read by the tokenizer's own reader:
+    lines end at newlines only (`str.splitlines` would also cut a token holding U+0085, U+2028, ...)."""
+    from modeling_roformer_rope.tokenization_roformer_rope import read_vocab_lines
+
     vocab_file = folder / "vocab.txt"
     if not vocab_file.is_file():
         return None
     try:
-        return vocab_file.read_text(encoding="utf-8").splitlines()
+        return read_vocab_lines(str(vocab_file))
     except UnicodeDecodeError as error:
         raise ConversionError(f"{vocab_file}: not UTF-8 text ({error})") from None
 

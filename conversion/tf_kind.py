@@ -22,6 +22,7 @@ overrides the detection: `sim` also converts a UniLM (seq2seq) checkpoint withou
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -34,8 +35,9 @@ POOLER_PREFIX = "bert/pooler/"
 
 
 def location_hint(prefix: str | Path) -> str:
-    """The names detection reads hints from: the checkpoint folder and the prefix file."""
-    path = Path(prefix)
+    """The names detection reads hints from: the checkpoint folder and the prefix file (an absolute path first, so a
+    relative prefix like `bert_model.ckpt`, given from inside the release folder, still names that folder)."""
+    path = Path(os.path.abspath(prefix))
     return f"{path.parent.name}/{path.name}"
 
 

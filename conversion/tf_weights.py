@@ -92,21 +92,15 @@ def has_mlm_head(names: set[str], kind: str) -> bool:
 
 
 def build_model(config, with_head: bool) -> torch.nn.Module:
-    """The model the folder is saved from: MLM/LM head (+ the pooler) or the bare encoder."""
+    """The model the folder is saved from: MLM/LM head (with the pooler, when the checkpoint has one, carried by its
+    encoder: saved in the same file, loaded by AutoModel with the encoder) or the bare encoder."""
     import modeling_roformer_rope as rr
-    from modeling_roformer_rope.modeling_roformer_rope import RoFormerRopePooler
 
     if not with_head:
         config.architectures = ["RoFormerRopeModel"]
         return rr.RoFormerRopeModel(config)
     model_class = rr.RoFormerRopeForCausalLM if config.is_decoder else rr.RoFormerRopeForMaskedLM
-    model = model_class(config)
-    if config.add_pooler:
-        # The MLM class builds its encoder without pooler; attach the checkpoint's so its weights are saved
-        # in the same file. AutoModelForMaskedLM then ignores them (reported as unexpected keys) and
-        # AutoModel (config.add_pooler=True) loads them together with the encoder.
-        model.roformer.pooler = RoFormerRopePooler(config)
-    return model
+    return model_class(config)
 
 
 def load_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], sources: dict[str, str]) -> None:

@@ -82,7 +82,7 @@ def verify_folder(model: torch.nn.Module, folder: Path, atol: float = 1e-5) -> f
         if encoder.pooler is None:
             raise ConversionError("verification failed: AutoModel reloaded the folder without its pooler")
         diffs["pooler_output"] = max_diff(
-            base(**batch).pooler_output,
+            base.pooler(base(**batch).last_hidden_state),  # a task model's encoder carries its pooler, unrun
             encoder(**batch).pooler_output,
             torch.ones(2, dtype=torch.bool),
             "pooler outputs",

@@ -175,6 +175,23 @@ class RoFormerRopePooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
+class RoFormerRopeCarriedPooler(nn.Module):
+    """The pooler of a task model's encoder, carried but not run (see `_task_encoder`): `RoFormerRopePooler`'s weights
+    under the same names (`dense.weight`, `dense.bias`), held as buffers, so they are loaded and saved with the model
+    but never trained: no optimizer, weight decay or DeepSpeed partition touches them. Called, it pools as the
+    pooler does (RoFormer-Sim's sentence vector from a MaskedLM: `model.roformer.pooler(last_hidden_state)`)."""
+
+    def __init__(self, config: RoFormerRopeConfig) -> None:
+        super().__init__()
+        self.dense = nn.Module()
+        self.dense.register_buffer("weight", torch.empty(config.hidden_size, config.hidden_size))  # (C out, C in)
+        self.dense.register_buffer("bias", torch.empty(config.hidden_size) if config.use_bias else None)  # (C,)
+        self.activation = nn.Identity() if config.pooler_activation == "linear" else ACT2FN[config.pooler_activation]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activation(nn.functional.linear(hidden_states[:, 0], self.dense.weight, self.dense.bias))
+
+
 @auto_docstring
 class RoFormerRopePreTrainedModel(PreTrainedModel):
     config: RoFormerRopeConfig
@@ -208,6 +225,10 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
             init.copy_(module.feature_projection, module.draw_projection())
         elif isinstance(module, RoFormerRopeLMHead) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
+        elif isinstance(module, RoFormerRopeCarriedPooler):  # buffers: drawn as the pooler's linear layer is
+            init.normal_(module.dense.weight, std=self.config.initializer_range)
+            if module.dense.bias is not None:
+                init.zeros_(module.dense.bias)
 
     def redraw_features(self, generator: torch.Generator | None = None) -> None:
         """Draw new FAVOR+ projections for every Performer layer. Never done implicitly: not at inference, not by
@@ -252,6 +273,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         self.first_softmax_layer = next((i for i, layer in enumerate(self.layers) if layer.mask_kind == "softmax"), 0)
         add_pooling_layer = config.add_pooler if add_pooling_layer is None else add_pooling_layer
         self.pooler = RoFormerRopePooler(config) if add_pooling_layer else None
+        self.runs_pooler = self.pooler is not None  # False for a pooler a task model only carries (`_task_encoder`)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -309,7 +331,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
             raise ValueError(
                 f"selected_positions has shape {tuple(selected_positions.shape)}, the inputs {tuple(shape)}"
             )
-        if self.pooler is not None:
+        if self.runs_pooler:
             raise ValueError(
                 "selected_positions returns the selected rows only, and the pooler reads [CLS] of every sequence: "
                 "use a model without a pooler (add_pooling_layer=False)"
@@ -460,9 +482,25 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
 
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
-            pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
+            pooler_output=self.pooler(hidden_states) if self.runs_pooler else None,
             **cache_kwarg(cache if use_cache else None),
         )
+
+
+# The pooler weights a task model carries but never runs (`_task_encoder`): missing from a checkpoint, or present
+# where the config has no `add_pooler`, nothing the task model computes changes.
+_CARRIED_POOLER = [r"^roformer\.pooler\."]
+
+
+def _task_encoder(config: RoFormerRopeConfig) -> RoFormerRopeModel:
+    """The encoder of a task model, which runs no pooler. A config with `add_pooler` (RoFormer-Sim, a v1 release
+    with its pooler) names a pooler its checkpoints hold next to the task head: the encoder carries those weights
+    (`RoFormerRopeCarriedPooler`: untrained, never run), so loading keeps them and `save_pretrained` writes them
+    back (a fine-tuned and saved folder still gives `AutoModel` its pooled sentence vectors)."""
+    encoder = RoFormerRopeModel(config, add_pooling_layer=False)
+    if config.add_pooler:
+        encoder.pooler = RoFormerRopeCarriedPooler(config)
+    return encoder
 
 
 class RoFormerRopeLMHead(nn.Module):
@@ -502,14 +540,13 @@ def _before_the_loss_row_wise(model: nn.Module) -> list[nn.Module]:
 @auto_docstring
 class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
     _tied_weights_keys = _LM_TIED_WEIGHTS
-    # RoFormer-Sim checkpoints keep their pooler next to the MLM head; the LM models do not use it.
-    _keys_to_ignore_on_load_unexpected = [r"^roformer\.pooler\."]
+    _keys_to_ignore_on_load_unexpected = _keys_to_ignore_on_load_missing = _CARRIED_POOLER
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         if config.is_decoder:
             logger.warning("RoFormerRopeForMaskedLM expects config.is_decoder=False for bidirectional attention.")
-        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.roformer = _task_encoder(config)
         self.lm_head = RoFormerRopeLMHead(config)
         # The MLM loss ignores ~85% of positions: the backward GEMMs skip their (zero) gradient rows.
         for linear in _before_the_loss_row_wise(self):
@@ -586,14 +623,13 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
 @auto_docstring(custom_intro="RoFormer with a language-modeling head for causal generation (RoFormer-GPT).")
 class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
     _tied_weights_keys = _LM_TIED_WEIGHTS
-    # RoFormer-Sim checkpoints keep their pooler next to the MLM head; the LM models do not use it.
-    _keys_to_ignore_on_load_unexpected = [r"^roformer\.pooler\."]
+    _keys_to_ignore_on_load_unexpected = _keys_to_ignore_on_load_missing = _CARRIED_POOLER
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         if not config.is_decoder:
             logger.warning("RoFormerRopeForCausalLM expects config.is_decoder=True for causal attention.")
-        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.roformer = _task_encoder(config)
         self.lm_head = RoFormerRopeLMHead(config)
         self.post_init()
 
@@ -677,6 +713,7 @@ class RoFormerRopeClassificationHead(nn.Module):
 
 @auto_docstring(custom_intro="RoFormer with a [CLS] classification / regression head.")
 class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
+    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
     # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
     # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
     # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
@@ -685,7 +722,7 @@ class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.roformer = _task_encoder(config)
         self.classifier = RoFormerRopeClassificationHead(config)
         self.post_init()
 
@@ -722,10 +759,12 @@ class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer with a per-token classification head (NER, POS tagging).")
 class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
+    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
+
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.roformer = _task_encoder(config)
         self.dropout = RoFormerRopeDropout(config.classifier_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -766,13 +805,14 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer with a span-extraction head (start/end logits) for extractive QA.")
 class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
+    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
     # Its loss is a mean over this batch that ignores `num_items_in_batch`: with this False the Trainer divides it
     # by the gradient-accumulation steps itself (seeing **kwargs in `forward`, it would assume the model had).
     accepts_loss_kwargs = False
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
-        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.roformer = _task_encoder(config)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -815,13 +855,14 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer scoring each of several choices (input shape (batch, num_choices, seq_len)).")
 class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
+    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
     # Its loss is a mean over this batch that ignores `num_items_in_batch`: with this False the Trainer divides it
     # by the gradient-accumulation steps itself (seeing **kwargs in `forward`, it would assume the model had).
     accepts_loss_kwargs = False
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
-        self.roformer = RoFormerRopeModel(config, add_pooling_layer=False)
+        self.roformer = _task_encoder(config)
         # No dropout before the classifier unless `classifier_dropout` asks for it: the built-in's summary layer has
         # none (RoFormerConfig sets no `summary_*_dropout`), so a converted checkpoint fine-tunes the same way.
         self.dropout = RoFormerRopeDropout(config.classifier_dropout) if config.classifier_dropout else nn.Identity()

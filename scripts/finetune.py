@@ -263,6 +263,24 @@ def _set_labels(config, task: Task) -> None:
     config.problem_type = "single_label_classification"
 
 
+def _attend_both_ways(config, name: str) -> None:
+    """Fine-tune a causal (RoFormer-GPT: `is_decoder`) or UniLM-masked (RoFormer-Sim: `unilm_mask`) folder with
+    bidirectional attention, as the task heads need: the sequence-classification head reads [CLS], which a causal
+    mask lets see only itself (every text got the same prediction) and a UniLM mask only the first text of a pair;
+    a token tagger would see only each token's left context. The saved config records the change."""
+    changed = [key for key in ("is_decoder", "unilm_mask") if getattr(config, key, False)]
+    if changed:
+        logger.warning(
+            "--model %s: %s set (attention that hides later tokens from [CLS]); fine-tuning with bidirectional "
+            "attention, the saved config says %s",
+            name,
+            " and ".join(changed),
+            ", ".join(f"{key}=False" for key in changed),
+        )
+        for key in changed:
+            setattr(config, key, False)
+
+
 def load_pretrained(task: Task, model_args: ModelArguments, max_length: int | None = None):
     """(model, tokenizer, description) from `--model` (folder or Hub id); clear errors for bad input."""
     from transformers import AutoConfig, AutoTokenizer
@@ -289,6 +307,7 @@ def load_pretrained(task: Task, model_args: ModelArguments, max_length: int | No
             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {str(error).splitlines()[0]}"
         ) from None
     check_head_labels(config, task, model_args.model)
+    _attend_both_ways(config, model_args.model)
     positions = getattr(config, "max_position_embeddings", None)
     if config.model_type != "roformer_rope" and positions and max_length and max_length > positions:
         # learned absolute positions (BERT): no row for positions past the table; rotary has no table
@@ -439,7 +458,8 @@ RELOAD_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import transformers
-    folder, kind, inputs, max_length = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    folder, kind, max_length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    inputs = json.loads(sys.stdin.read())
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     auto = transformers.AutoModelForTokenClassification if kind == "token" else transformers.AutoModelForSequenceClassification
     model = auto.from_pretrained(folder, trust_remote_code=True)
@@ -456,15 +476,16 @@ RELOAD_SCRIPT = textwrap.dedent(
 
 def reload_in_fresh_process(folder: Path, kind: str, inputs: list, max_length: int) -> dict:
     """Load `folder` with trust_remote_code in a new interpreter (temp cwd, no PYTHONPATH) and run the
-    task's pipeline on `inputs`; returns the pipeline outputs."""
+    task's pipeline on `inputs` (sent on stdin: as one argument, 100 long-task examples passed Linux's 128 KiB
+    limit on an argument); returns the pipeline outputs."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     with tempfile.TemporaryDirectory() as cwd:
         result = subprocess.run(
-            [sys.executable, "-c", RELOAD_SCRIPT, str(Path(folder).resolve()), kind, json.dumps(inputs, ensure_ascii=False),
-             str(max_length)],
+            [sys.executable, "-c", RELOAD_SCRIPT, str(Path(folder).resolve()), kind, str(max_length)],
+            input=json.dumps(inputs, ensure_ascii=False),
             cwd=cwd,
             env=env,
             capture_output=True,
@@ -633,7 +654,9 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
             "max_length": max_length,
             "seed": training_args.seed,
             "learning_rate": training_args.learning_rate,
-            "train_batch_size": training_args.per_device_train_batch_size * max(training_args.world_size, 1),
+            "train_batch_size": training_args.per_device_train_batch_size
+            * max(training_args.world_size, 1)
+            * training_args.gradient_accumulation_steps,  # examples per optimizer step
             "epochs": training_args.num_train_epochs,
             "max_steps": training_args.max_steps,
             "steps": trainer.state.global_step,

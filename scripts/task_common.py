@@ -20,9 +20,9 @@ SPLITS = ("train", "dev", "test")
 
 
 def tokenizer_identity(tokenizer) -> str:
-    """JSON of what decides a tokenizer's ids: its class, vocabulary (added tokens included), jieba words, and how
-    text is cut before WordPiece (jieba or not, case, accents, CJK splitting): the same vocabulary can give other
-    ids. Cached token ids are keyed by it."""
+    """JSON of what decides a tokenizer's ids: its class, vocabulary (added tokens included), jieba words, how text
+    is cut before WordPiece (jieba or not, case, accents, CJK splitting), its special tokens and the side it
+    truncates: the same vocabulary can give other ids. Cached token ids are keyed by it."""
     settings = ("word_segmentation", "do_lower_case", "strip_accents", "tokenize_chinese_chars")
     return json.dumps(
         [
@@ -30,6 +30,8 @@ def tokenizer_identity(tokenizer) -> str:
             sorted(tokenizer.get_vocab().items()),
             sorted(map(str, getattr(tokenizer, "jieba_words", None) or [])),
             {key: tokenizer.init_kwargs.get(key) for key in settings},
+            sorted(tokenizer.special_tokens_map.items()),
+            getattr(tokenizer, "truncation_side", "right"),
         ],
         ensure_ascii=False,
         default=str,

@@ -50,6 +50,117 @@ def test_v5_folder_special_tokens_are_carried_over(tmp_path):
         assert ours(text)["input_ids"] == builtin(text)["input_ids"], text
 
 
+ADDED_TEXTS = ["北京[E1]今天[E2]好", "[e1] hello [E2]!", "我爱[E1][E1]北京"]
+
+
+def _v4_layout(folder, legacy: bool) -> None:
+    """Rewrite a v5-saved built-in tokenizer as older transformers saved it: vocab.txt and the added tokens in
+    tokenizer_config.json's `added_tokens_decoder` (v4.34+), or, `legacy`, in added_tokens.json with the special
+    tokens in special_tokens_map.json; no tokenizer.json."""
+    saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = saved["model"]["vocab"]
+    (folder / "vocab.txt").write_text("".join(t + "\n" for t in sorted(vocab, key=vocab.get)), encoding="utf-8")
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    extra = config.pop("extra_special_tokens")
+    added = [a for a in saved["added_tokens"] if a["id"] >= len(vocab)]
+    if legacy:
+        (folder / "added_tokens.json").write_text(json.dumps({a["content"]: a["id"] for a in added}))
+        specials = {key: config.pop(key) for key in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
+        (folder / "special_tokens_map.json").write_text(json.dumps({**specials, "extra_special_tokens": extra}))
+    else:
+        fields = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+        config["added_tokens_decoder"] = {str(a["id"]): {k: a[k] for k in fields} for a in saved["added_tokens"]}
+        config["additional_special_tokens"] = extra
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (folder / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize("layout", ["v5", "v4", "v4-legacy"])
+def test_added_tokens_and_settings_are_carried_over_as_transformers_loads_them(tmp_path, layout):
+    """Added tokens (a normalised one and an extra special one, past the vocabulary), `strip_accents` and special
+    tokens named in special_tokens_map.json reach the converted tokenizer with the built-in's ids, in each layout
+    transformers has saved tokenizers in (they used to be dropped: `[E1]` cut into pieces, accents stripped, a
+    special_tokens_map.json `<unk>` replaced by `[UNK]`)."""
+    vocab = VOCAB + ["<unk>", "é", "e"]
+    source = tmp_path / "builtin"
+    tokenizer = transformers.RoFormerTokenizer(vocab={t: i for i, t in enumerate(vocab)}, strip_accents=False, unk_token="<unk>")
+    tokenizer.add_tokens(["[E1]"])
+    tokenizer.add_special_tokens({"extra_special_tokens": ["[E2]"]})
+    builtin_model("RoFormerForMaskedLM", vocab_size=len(tokenizer)).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    builtin = transformers.AutoTokenizer.from_pretrained(source)
+    assert len(builtin) == len(vocab) + 2 and builtin.unk_token == "<unk>"
+    if layout != "v5":
+        _v4_layout(source, legacy=layout == "v4-legacy")
+        # the rewritten folder holds the same tokens as transformers reads them (its RoFormerTokenizer, built from a
+        # vocab.txt, then cuts words by another vocabulary: the v5-loaded one is the ids' oracle)
+        reread = transformers.AutoTokenizer.from_pretrained(source)
+        past_vocab = [(i, t) for i, t in builtin.added_tokens_decoder.items() if i >= len(vocab)]
+        assert [(i, t) for i, t in reread.added_tokens_decoder.items() if i >= len(vocab)] == past_vocab
+        assert (reread.unk_token, reread.all_special_tokens) == ("<unk>", builtin.all_special_tokens)
+    out = convert_folder(source, tmp_path / "converted")
+    ours = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert (len(ours), ours.unk_token, ours.all_special_tokens) == (len(builtin), "<unk>", builtin.all_special_tokens)
+    for text in ADDED_TEXTS + ["é e É 冷"]:
+        assert ours(text)["input_ids"] == builtin(text)["input_ids"], text
+    assert builtin("É 冷")["input_ids"][1:-1] == [vocab.index("é"), vocab.index("<unk>")]  # accent kept, <unk>
+    assert ours("[e1]")["input_ids"][1:-1] == [len(vocab)]  # normalised added token: matched lower-cased
+
+
+def test_added_tokens_with_a_gap_in_their_ids_are_refused_by_name(tmp_path):
+    source = tmp_path / "builtin"
+    save_v5_folder(source)
+    saved = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    saved["added_tokens"].append({"id": len(VOCAB) + 1, "content": "[E9]", "special": True, "normalized": False})
+    (source / "tokenizer.json").write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(ConversionError, match=r"added token '\[E9\]' has id 21 there but would get 20 here"):
+        convert_folder(source, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+def test_a_character_vocabulary_keeps_the_builtin_cut_when_asked(tmp_path, caplog):
+    """The built-in RoFormerTokenizer cuts every vocabulary with jieba; a character vocabulary converts to the
+    original code's cut (no jieba: `１９９８` stays one word of WordPiece pieces), with a warning naming the flag
+    that keeps the built-in's, and `word_segmentation="jieba"` gives the built-in's ids."""
+    chars = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "１", "##９", "##８", "９", "８", "年"]
+    source = tmp_path / "builtin"
+    builtin = transformers.RoFormerTokenizer(vocab={t: i for i, t in enumerate(chars)})
+    builtin_model("RoFormerForMaskedLM", vocab_size=len(chars)).save_pretrained(source)
+    builtin.save_pretrained(source)
+    text = "１９９８年"
+    with caplog.at_level(logging.WARNING):
+        original = transformers.AutoTokenizer.from_pretrained(
+            convert_folder(source, tmp_path / "auto"), trust_remote_code=True
+        )
+    assert any("--word-segmentation jieba" in r.getMessage() for r in caplog.records)
+    assert original.tokenize(text) == ["１", "##９", "##９", "##８", "年"]
+    cut = transformers.AutoTokenizer.from_pretrained(
+        convert_folder(source, tmp_path / "jieba", word_segmentation="jieba"), trust_remote_code=True
+    )
+    assert cut(text)["input_ids"] == builtin(text)["input_ids"] != original(text)["input_ids"]
+
+
+def test_generation_defaults_are_carried_over(tmp_path):
+    """A causal LM's generation_config.json (eos ids, penalties, lengths) comes along: `generate()` with no
+    arguments gives the built-in's tokens (it used to stop at the model config's defaults)."""
+    source = tmp_path / "builtin"
+    builtin = builtin_model("RoFormerForCausalLM")
+    builtin.generation_config = transformers.GenerationConfig(
+        eos_token_id=[3, 7], repetition_penalty=1.3, max_new_tokens=40, bos_token_id=2, pad_token_id=0
+    )
+    builtin.save_pretrained(source)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        convert_folder(source, tmp_path / "converted"), trust_remote_code=True
+    ).eval()
+    for key in ("eos_token_id", "repetition_penalty", "max_new_tokens"):
+        assert getattr(ours.generation_config, key) == getattr(builtin.generation_config, key), key
+    prompt = torch.tensor([[2, 5, 17]])
+    with torch.no_grad():
+        expected, actual = builtin.generate(prompt), ours.generate(prompt)
+    assert expected.shape[1] > 23  # past the model config's 20-token default
+    assert actual.tolist() == expected.tolist()
+
+
 def test_tokenizer_json_with_gaps_in_ids_is_refused(tmp_path):
     source = tmp_path / "builtin"
     save_v5_folder(source)

@@ -717,8 +717,21 @@ def test_checkpoint_given_as_dot_is_named_by_its_folder_in_the_card(tmp_path, mo
     monkeypatch.chdir(release)
     out = convert_checkpoint(Path("."), tmp_path / "x").out_dir
     card = (out / "README.md").read_text(encoding="utf-8")
-    assert "# chinese_roformer-gpt-char_tiny (RoFormer, converted)" in card
+    assert "# chinese_roformer-gpt-char_tiny (RoFormer-GPT, converted)" in card
     assert "`.`" not in card and "#  (" not in card
+
+
+@pytest.mark.parametrize("given", [".", "bert_model.ckpt"])
+@pytest.mark.parametrize("name, kind", [("sim", "sim"), ("gpt", "gpt")])
+def test_a_relative_checkpoint_inside_its_release_folder_keeps_the_folder_name_hint(tmp_path, monkeypatch, given, name, kind):
+    """Sim and GPT checkpoints hold the same variables as v1 (+ pooler): only the release folder's name tells them
+    apart, also when the checkpoint is given relative to it (`cd release && convert-tf --checkpoint .`). Read as v1
+    they would convert without error to another model (a Sim 1.6 off the original's hidden states)."""
+    release = tmp_path / f"chinese_roformer-{name}-char_tiny"
+    shutil.copytree(FIXTURES / name, release)
+    monkeypatch.chdir(release)
+    result = convert_checkpoint(Path(given), tmp_path / "x", reference_outputs=release / "expected.npz")
+    assert result.kind == kind
 
 
 @pytest.mark.parametrize(
@@ -738,3 +751,15 @@ def test_configs_bert4keras_reads_otherwise_are_refused(tmp_path, edit, message)
     with pytest.raises(ConversionError, match=re.escape(message)):
         convert_checkpoint(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_vocab_lines_end_at_newlines_only(tmp_path):
+    """A token holding U+0085 or U+2028 is one vocab.txt line, as the tokenizer (and bert4keras) read it:
+    `str.splitlines` would count two, refuse the release as larger than its vocab_size and shift the ids it reads."""
+    folder = release_folder(tmp_path, "v1")
+    lines = (folder / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    lines[50], lines[51] = "x\x85y", "a\u2028b"
+    (folder / "vocab.txt").write_text("\n".join(lines), encoding="utf-8")
+    out = convert_checkpoint(folder, tmp_path / "x").out_dir
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert tokenizer.convert_ids_to_tokens([50, 51]) == ["x\x85y", "a\u2028b"]

@@ -172,7 +172,8 @@ def test_the_tokenized_cache_is_keyed_by_how_the_tokenizer_cuts_text(small_token
     vocab = small_tokenizer.save_vocabulary(str(tmp_path))[0]
     variants = [small_tokenizer, RoFormerRopeTokenizer(vocab_file=vocab, word_segmentation="none"),
                 RoFormerRopeTokenizer(vocab_file=vocab, tokenize_chinese_chars=False),
-                RoFormerRopeTokenizer(vocab_file=vocab, strip_accents=True)]  # fmt: skip
+                RoFormerRopeTokenizer(vocab_file=vocab, strip_accents=True),
+                RoFormerRopeTokenizer(vocab_file=vocab, truncation_side="left")]  # fmt: skip
     assert len({finetune.tokenizer_fingerprint(t) for t in variants}) == len(variants)
     for tokenizer in variants[:2]:
         cached = finetune.encode_splits(task, splits, tokenizer, 32, str(tmp_path / "cache"))["train"]["input_ids"]
@@ -398,6 +399,16 @@ def test_end_to_end_saved_folders_reload_in_a_fresh_process(trained, tmp_path):
     assert finetune.same_predictions("token", here, [tokens["output"]])
 
 
+def test_the_fresh_process_check_takes_more_examples_than_one_argument_holds(trained):
+    """100 examples of the long task passed Linux's 128 KiB limit on one command-line argument, and the finished run
+    was lost at its reload check: the examples go through stdin."""
+    out, _ = trained
+    texts = ["这本书很好看，物流很快。" * 600, "质量太差了" * 2000] * 3  # ~6 × 20 KB of UTF-8
+    assert len(json.dumps(texts, ensure_ascii=False).encode()) > 128 * 1024
+    got = finetune.reload_in_fresh_process(out / "sentiment", "sequence", texts, 32)
+    assert len(got["outputs"]) == len(texts) and got["outputs"][0] == got["outputs"][2] != []
+
+
 def test_bert_folder_with_our_tokenizer_loads(tmp_path, small_tokenizer):
     import transformers
 
@@ -595,3 +606,27 @@ def test_finetune_table_reuses_a_run_only_when_its_flags_are_the_same(tmp_path, 
     spellings = ["models/x", "./models/x/", str(tmp_path.cwd() / "models" / "x")]  # one folder, spelt three ways
     keys = {table.run_key(["python", "--model", path, "--output_dir", str(tmp_path / path[-3:])]) for path in spellings}
     assert len(keys) == 1
+
+
+@pytest.mark.parametrize("flag", ["is_decoder", "unilm_mask"])
+def test_a_causal_or_unilm_folder_is_fine_tuned_with_bidirectional_attention(tmp_path, small_tokenizer, flag, caplog):
+    """A RoFormer-GPT (`is_decoder`) or RoFormer-Sim (`unilm_mask`) folder: the classifier reads [CLS], which the
+    causal mask lets see only itself (every text got the same prediction) and the UniLM mask only the first text of
+    a pair. Fine-tuned with bidirectional attention, with a warning, [CLS] sees the second text of a pair."""
+    import torch
+
+    import modeling_roformer_rope as rr
+
+    config = rr.RoFormerRopeConfig(vocab_size=len(small_tokenizer), hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=64, **{flag: True})  # fmt: skip
+    head = rr.RoFormerRopeForCausalLM if flag == "is_decoder" else rr.RoFormerRopeForMaskedLM
+    head(config).save_pretrained(tmp_path)
+    small_tokenizer.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        model, tokenizer, _ = finetune.load_pretrained(task_long.TASK, finetune.ModelArguments(model=str(tmp_path)))
+    assert any(f"{flag}=False" in r.getMessage() for r in caplog.records)
+    assert not model.config.is_decoder and not model.config.unilm_mask
+    model.eval()
+    with torch.no_grad():
+        first, second = (model(**tokenizer("公司在上海", pair, return_tensors="pt")).logits for pair in ("开发", "会见"))
+    assert not torch.equal(first, second)  # [CLS] sees the second text

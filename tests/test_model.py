@@ -304,6 +304,43 @@ def test_pooler_linear_and_tanh():
         torch.testing.assert_close(out.pooler_output, expected)
 
 
+TASK_HEADS = [
+    rr.RoFormerRopeForMaskedLM,
+    rr.RoFormerRopeForCausalLM,
+    rr.RoFormerRopeForSequenceClassification,
+    rr.RoFormerRopeForTokenClassification,
+    rr.RoFormerRopeForQuestionAnswering,
+    rr.RoFormerRopeForMultipleChoice,
+]
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("head", TASK_HEADS, ids=lambda c: c.__name__.removeprefix("RoFormerRopeFor"))
+def test_a_task_model_carries_the_pooler_through_a_training_step_and_save(tmp_path, head, use_bias):
+    """A RoFormer-Sim folder (`add_pooler`) loaded into a task model, trained a step (AdamW, weight decay) and
+    saved still gives AutoModel the pooler's sentence vectors: the task model carries the pooler's weights
+    untouched (it used to drop them, and the reloaded pooler was drawn at random)."""
+    config = tiny_config(add_pooler=True, pooler_activation="linear", use_bias=use_bias, is_decoder=head is rr.RoFormerRopeForCausalLM)
+    encoder = randomise_(rr.RoFormerRopeModel(config)).eval()
+    encoder.save_pretrained(tmp_path / "sim")
+    batch = padded_batch()
+    task = head.from_pretrained(tmp_path / "sim").train()
+    assert not any("pooler" in name for name, _ in task.named_parameters())  # no optimizer sees it
+    inputs = {k: v.unsqueeze(1).expand(-1, 2, -1) for k, v in batch.items()} if head is rr.RoFormerRopeForMultipleChoice else batch
+    optimizer = torch.optim.AdamW(task.parameters(), lr=1e-2, weight_decay=0.5)
+    output = task(**inputs)
+    first = output.logits if hasattr(output, "logits") else output.start_logits
+    first.float().pow(2).mean().backward()
+    optimizer.step()
+    task.save_pretrained(tmp_path / "tuned")
+
+    reloaded = rr.RoFormerRopeModel.from_pretrained(tmp_path / "tuned").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(task.roformer.pooler(task.roformer(**batch).last_hidden_state), reloaded(**batch).pooler_output)
+    torch.testing.assert_close(reloaded.pooler.dense.weight, encoder.pooler.dense.weight, atol=0, rtol=0)
+    assert not torch.equal(reloaded.layers[0].mlp.up_proj.weight, encoder.layers[0].mlp.up_proj.weight)  # it trained
+
+
 def test_sequence_classification_problem_types():
     batch = padded_batch()
     model = model_of(rr.RoFormerRopeForSequenceClassification, num_labels=3)
