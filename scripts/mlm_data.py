@@ -94,8 +94,30 @@ def load_texts(corpus: Sequence[str] | None = None, column: str = "text", split:
         except UnicodeDecodeError as error:
             if error.start < len(head) - 4:  # not just a character cut at the 4096-byte boundary
                 raise ValueError(f"--corpus {name}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    texts = datasets.load_dataset("text", data_files=files, split="train")
+    try:
+        texts = datasets.load_dataset("text", data_files=files, split="train")
+    except Exception as error:  # `datasets` wraps a decoding error in its generic one, naming no file
+        for name in files:
+            _check_utf8(name)
+        raise ValueError(f"--corpus: `datasets` cannot read the corpus files ({error})") from None
     return texts.filter(lambda row: bool(row["text"].strip()), desc="dropping empty lines")
+
+
+def _check_utf8(name: str) -> None:
+    """A ValueError naming `name` and the byte where it stops being UTF-8 text (read in 1 MiB pieces)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(name, "rb") as handle:
+        while True:
+            piece = handle.read(1 << 20)
+            try:
+                decoder.decode(piece, final=not piece)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"--corpus {name}: not UTF-8 text ({error.reason} at byte {offset + error.start})") from None
+            if not piece:
+                return
+            offset += len(piece)
 
 
 def _from_dataset(dataset, column: str, split: str, name: str):
@@ -114,6 +136,21 @@ def _from_dataset(dataset, column: str, split: str, name: str):
     if column != "text":
         dataset = dataset.rename_column(column, "text")
     return dataset.filter(lambda row: bool((row["text"] or "").strip()), desc="dropping empty lines")
+
+
+def fine_tuning_text_start() -> int:
+    """Index of the first line of the default corpus (People's Daily 1998-01, `people_daily_lines`) that a
+    fine-tuning task evaluates on: the first paragraph of the `long` task's first dev article (line 13,499 of
+    19,484), or the first line of the `ner` task's dev split (80% of the lines), whichever comes first. Pretraining
+    on the default corpus trains on the lines before it only, so no dev or test text of `ner` or `long` is seen."""
+    from roformer_rope.tokenization.corpus import people_daily_lines
+
+    from .task_long import articles, halves
+
+    lines = people_daily_lines()
+    eligible = [body for body in articles(lines) if halves(body) is not None]  # as task_long.make_splits
+    first_dev = eligible[int(0.7 * len(eligible))][0]
+    return min(lines.index(first_dev), int(0.8 * len(lines)))
 
 
 def split_held_out(texts, held_out_lines: int):
@@ -308,7 +345,9 @@ def sequence_body(stream: TokenStream, span: Sequence[int], sep_id: int) -> tupl
     a, b = int(span[0]), int(span[1])
     starts = np.asarray(stream.line_starts)
     lo, hi = np.searchsorted(starts, [a, b], side="right")
-    cuts = [int(c) for c in starts[lo:hi] if a < c < b]  # line starts strictly inside the range
+    # line starts strictly inside the range, once each: a line without tokens starts where the next one does, and
+    # `pack` counts one [SEP] per boundary between lines that have tokens
+    cuts = sorted({int(c) for c in starts[lo:hi] if a < c < b})
     if not cuts:
         return np.asarray(stream.tokens[a:b], dtype=np.int64), np.asarray(stream.words[a:b])
     tokens, words, prev = [], [], a
@@ -345,6 +384,7 @@ class WholeWordMasker:
         if None in (self.cls_id, self.sep_id, self.pad_id, self.mask_id):
             raise ValueError("the tokenizer needs [CLS], [SEP], [PAD] and [MASK] tokens for MLM pretraining")
         special = set(tokenizer.all_special_ids)
+        self.special_ids = np.asarray(sorted(special), dtype=np.int64)  # [UNK] and literal [MASK]/[SEP] text too
         # the ids that have a token: a token repeated in vocab.txt leaves its earlier line's id without one
         owned = sorted(set(tokenizer.get_vocab().values()))
         self.replacements = np.asarray([i for i in owned if i not in special], dtype=np.int64)
@@ -359,7 +399,9 @@ class WholeWordMasker:
     def mask(self, tokens: np.ndarray, words: np.ndarray, key: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, labels) for one body; `key` (e.g. (stage, epoch, index)) seeds the choice."""
         rng = np.random.default_rng([self.seed, *key])
-        maskable = words >= 0  # the [SEP]s inside a packed body carry word id -1
+        # not the [SEP]s inside a packed body (word id -1), nor any special token the text itself holds ([UNK], a
+        # literal "[MASK]"), as transformers' DataCollatorForLanguageModeling leaves them out
+        maskable = (words >= 0) & ~np.isin(tokens, self.special_ids)
         word_list, first = np.unique(words[maskable], return_index=True)
         budget = max(1, int(round(self.probability * int(maskable.sum()))))
         order = rng.permutation(len(word_list))

@@ -64,6 +64,7 @@ from .pretrain_config import (
     Stage,
     check_deepspeed_config,
     check_deepspeed_sections,
+    deepspeed_precision,
     fill_deepspeed_config,
     load_run_config,
     model_config,
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", help="an existing vocab.txt (default: build one from the training lines)")
     parser.add_argument("--out", default="pretrain-out", help="run folder (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="training precision (default: %(default)s)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="training precision (default: the one the --deepspeed file enables, else fp32)")
     parser.add_argument("--attention-type", choices=["softmax", "linear", "performer"], help="override model.attention_type")
     parser.add_argument("--export", metavar="CKPT", help="export a checkpoint (run folder, checkpoints folder or one checkpoint) to --out and stop")
     parser.add_argument("--overwrite", action="store_true", help="with --export: replace an existing --out")
@@ -182,6 +183,14 @@ class Run:
                     self.config.data.held_out_lines, len(texts), held_out_lines,
                 )  # fmt: skip
             train, held_out = mlm_data.split_held_out(texts, held_out_lines)
+            if not self.args.corpus:  # the default corpus: no line of the fine-tuning tasks' dev or test text
+                end = mlm_data.fine_tuning_text_start()
+                if len(train) > end:
+                    logger.info(
+                        "default corpus: training on its first %d lines; lines %d-%d hold the ner and long "
+                        "fine-tuning tasks' dev and test text", end, end, len(train) - 1
+                    )  # fmt: skip
+                    train = train.select(range(end))
             logger.info("corpus: %d training lines, %d held out (%s)", len(train), len(held_out), self.corpus_name())
             if not (tok_dir / "vocab.txt").is_file():
                 self.make_tokenizer(train, tok_dir)
@@ -207,6 +216,11 @@ class Run:
         self.held_out_stream = mlm_data.TokenStream.load(data_dir / "held_out")
         if self.train_stream.num_tokens == 0:
             raise ValueError("the training lines hold no token: is the corpus empty?")
+        if self.held_out_stream.num_tokens == 0:
+            raise ValueError(
+                "the held-out lines (the corpus's last lines) hold no token: nothing to evaluate on; give a corpus "
+                "whose last lines hold text"
+            )
         self.masker = mlm_data.WholeWordMasker(self.tokenizer, self.config.data.mlm_probability, self.config.train.seed)
 
     def check_resumed_data(self, train_tokens: int, held_out_tokens: int, digests: dict | None = None) -> None:
@@ -293,8 +307,11 @@ class Run:
                 from transformers.integrations import HfDeepSpeedConfig
 
                 zero3 = HfDeepSpeedConfig(self.ds_config)  # from_pretrained loads into zero.Init partitions
-            model = AutoModelForMaskedLM.from_pretrained(init_from, trust_remote_code=True)
+            # float32 whatever the folder was saved in (transformers would keep a bf16 folder bf16): DeepSpeed casts
+            # to the run's --precision itself, under every ZeRO stage
+            model = AutoModelForMaskedLM.from_pretrained(init_from, trust_remote_code=True, dtype=torch.float32)
             del zero3
+            torch.manual_seed(self.config.train.seed + self.dist.rank)  # dropout: train.seed decides, ranks differ
             model.config.sparse_prediction = True
             spec = {"architecture": "roformer", "config": model.config.to_diff_dict()}
             spec["config"].pop("auto_map", None)
@@ -319,6 +336,7 @@ class Run:
 
     def resolve_deepspeed(self) -> None:
         """Fill the DeepSpeed file's "auto" values from the first stage, the precision and the model width."""
+        self.args.precision = deepspeed_precision(self.ds_template, self.args.precision, f"--deepspeed {self.ds_path}")
         first = self.config.stages[0]
         self.ds_config = fill_deepspeed_config(
             self.ds_template,
@@ -333,6 +351,12 @@ class Run:
         )
         self.ds_config.setdefault("zero_optimization", {"stage": 0})
         check_deepspeed_config(self.ds_config, f"--deepspeed {self.ds_path}")
+        stage = self.ds_config["zero_optimization"].get("stage", 0)
+        if stage not in (1, 2, 3):  # stage 0 trains, but its checkpoints are no ZeRO checkpoints the export reads
+            raise ValueError(
+                f"--deepspeed {self.ds_path}: ZeRO stage {stage!r}: the run saves and exports ZeRO checkpoints; use "
+                "zero_optimization.stage 1, 2 or 3 (the shipped zero1 / zero2 / zero3)"
+            )
         for stage in self.config.stages[1:]:  # a batch size the file fixes must suit every stage, not the first only
             try:
                 fill_deepspeed_config(

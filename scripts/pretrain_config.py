@@ -214,6 +214,11 @@ def _check_model_section(model: dict, architecture: str, source: str) -> None:
     if unknown:
         name = config_class(architecture).__name__
         raise ValueError(f"{source}: model: unknown field(s) {unknown} (not {name} fields; see its docstring)")
+    if model.get("tie_word_embeddings", True) is not True:
+        raise ValueError(
+            f"{source}: model.tie_word_embeddings must stay true: the MLM decoder is the word embedding (as in the "
+            "original RoFormer), and the export reads it so"
+        )
     init_from = model.get("init_from")
     if init_from is not None:
         if not isinstance(init_from, str) or not init_from:
@@ -355,8 +360,16 @@ def fill_deepspeed_config(
         raise ValueError("fp16 needs a GPU (loss scaling on CPU is not supported): use --precision bf16 or fp32")
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = optimizer.setdefault("params", {})
-    for key, value in (("lr", lr), ("weight_decay", weight_decay)):
+    for key, value, source in (("lr", lr, "the stage's lr"), ("weight_decay", weight_decay, "train.weight_decay")):
         if params.get(key, "auto") == "auto":
+            params[key] = value
+        elif params[key] != value:  # the engine sets both on every step: the file's value would be ignored
+            raise ValueError(
+                f"DeepSpeed config sets optimizer.params.{key}={params[key]}, but {source} is {value}: use \"auto\" "
+                "(the stages of --config set the learning rate, its train section the weight decay)"
+            )
+    for key, value in (("betas", [0.9, 0.999]), ("eps", 1e-8)):  # a Trainer-style file: the Trainer's defaults
+        if params.get(key) == "auto":
             params[key] = value
     if str(optimizer.get("type", "")).lower() in ("adam", "adamw"):  # only DeepSpeed's Adam variants know torch_adam
         if params.get("torch_adam", "auto") == "auto":
@@ -377,10 +390,43 @@ def fill_deepspeed_config(
     for key, value in sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
-    for key, value in [*config.items(), *(("zero_optimization." + k, v) for k, v in zero.items())]:
-        if value == "auto":
-            raise ValueError(f"DeepSpeed config: cannot resolve \"auto\" for {key}")
+    unresolved = _auto_keys(config)
+    if unresolved:
+        raise ValueError(f"DeepSpeed config: cannot resolve \"auto\" for {', '.join(unresolved)}")
     return config
+
+
+def _auto_keys(value, where: str = "") -> list[str]:
+    """The dotted keys, at any depth, still set to "auto"."""
+    if isinstance(value, dict):
+        return [k for key, v in value.items() for k in _auto_keys(v, f"{where}.{key}" if where else str(key))]
+    return [where] if value == "auto" else []
+
+
+def deepspeed_precision(ds_config: dict, precision: str | None, source: str) -> str:
+    """The run's precision: `--precision`, else the one the DeepSpeed file enables (`bf16` / `fp16` with
+    `"enabled": true`), else fp32. An explicit `enabled` that contradicts `--precision` is refused: DeepSpeed would
+    train in the file's precision while the run's log, state and model card said `--precision`."""
+    enabled = {}
+    for name in ("bf16", "fp16"):
+        section = ds_config.get(name)
+        value = section.get("enabled", "auto") if isinstance(section, dict) else "auto"
+        if value != "auto":
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: {name}.enabled must be true, false or \"auto\", got {value!r}")
+            enabled[name] = value
+    on = [name for name, value in enabled.items() if value]
+    if len(on) > 1:
+        raise ValueError(f"{source}: bf16 and fp16 are both enabled; enable one (or leave both \"auto\")")
+    if precision is None:
+        return on[0] if on else "fp32"
+    for name, value in enabled.items():
+        if value != (precision == name):
+            raise ValueError(
+                f"{source}: {name}.enabled is {str(value).lower()}, but --precision is {precision}: set it to "
+                f"\"auto\" (or give the --precision it means)"
+            )
+    return precision
 
 
 # DeepSpeed config sections read as JSON objects (here and by DeepSpeed).
@@ -455,6 +501,7 @@ __all__ = [
     "Stage",
     "check_deepspeed_config",
     "check_deepspeed_sections",
+    "deepspeed_precision",
     "fill_deepspeed_config",
     "load_run_config",
     "model_config",

@@ -193,6 +193,7 @@ def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config
         ("uneven", [], "not divisible by the micro batch"),
         ("resume_nothing", ["--resume"], "holds no checkpoints/ folder"),
         ("lamb", [], "ds.json: DeepSpeed could not start the engine: "),  # DeepSpeed's Lamb needs a GPU kernel
+        ("held_out_tokenless", [], "the held-out lines (the corpus's last lines) hold no token"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message, refused_here):
@@ -213,6 +214,10 @@ def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message, refu
     if make == "empty":
         corpus = tmp_path / "empty.txt"
         corpus.write_text("\n\n   \n")
+        args = ["--corpus", str(corpus)]
+    elif make == "held_out_tokenless":  # lines not blank to str.strip that tokenize to nothing
+        corpus = tmp_path / "tail.txt"
+        corpus.write_text("今天天气非常好，我们去公园散步吧。\n" * 300 + "\u200b\n" * 100, encoding="utf-8")
         args = ["--corpus", str(corpus)]
     # the real command for one case, and for Lamb, which DeepSpeed refuses only while starting its engine
     command = pretrain if make in (None, "lamb") else refused_here
@@ -243,6 +248,10 @@ def _blocked(module: str) -> list[str]:
         (None, ["--deepspeed", "typo"], "DeepSpeed refuses it: zero_optimization.overlap_comms: Extra inputs are not permitted"),
         (None, ["--deepspeed", "scheduler"], "ds.json: scheduler: the stages set the learning rate"),
         (None, ["--deepspeed", "fixed"], "stage long: DeepSpeed config sets train_batch_size=8, but the stages need 4"),
+        (None, ["--deepspeed", "stage0"], "ZeRO stage 0: the run saves and exports ZeRO checkpoints; use"),
+        (None, ["--deepspeed", "bf16_off", "--precision", "bf16"], "bf16.enabled is false, but --precision is bf16"),
+        (None, ["--deepspeed", "trainer_lr"], "optimizer.params.lr=5e-05, but the stage's lr is"),
+        (("embeddings: 64}", "embeddings: 64, tie_word_embeddings: false}"), [], "model.tie_word_embeddings must stay true"),
         (("model: {", "architecture: bert\nmodel: {"), ["--attention-type", "linear"], "architecture 'bert' has only its own softmax"),
         (None, ["--precision", "fp16"], "fp16 needs a GPU"),
         (None, ["--vocab", "nosuch-vocab.txt"], "--vocab nosuch-vocab.txt: no such file"),
@@ -263,9 +272,11 @@ def test_checks_that_need_no_data_fail_before_anything_is_written(tmp_path, monk
         ds = {"batch7": {"train_batch_size": 7, "zero_optimization": zero}, "stage5": {"zero_optimization": {"stage": 5}},
               "typo": {"zero_optimization": {**zero, "overlap_comms": True}},
               "scheduler": {"zero_optimization": zero, "scheduler": {"type": "WarmupLR", "params": {}}},
-              "fixed": {"zero_optimization": zero, "train_batch_size": 8}}[args[1]]  # fmt: skip
+              "fixed": {"zero_optimization": zero, "train_batch_size": 8}, "stage0": {"zero_optimization": {"stage": 0}},
+              "bf16_off": {"zero_optimization": zero, "bf16": {"enabled": False}},
+              "trainer_lr": {"zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 5e-5}}}}[args[1]]  # fmt: skip
         (tmp_path / "ds.json").write_text(json.dumps(ds))
-        args = ["--deepspeed", str(tmp_path / "ds.json")]
+        args = ["--deepspeed", str(tmp_path / "ds.json"), *args[2:]]
     run = tmp_path / "run"
     monkeypatch.chdir(tmp_path)  # relative paths (--vocab) are read from here
     if "BLOCK" in args:  # the real command, in an interpreter where tensorboard cannot be imported
@@ -576,3 +587,26 @@ def test_a_resume_on_other_lines_with_as_many_tokens_is_refused(finished):
     swapped.tokens[[0, 1]] = swapped.tokens[[1, 0]]  # two tokens trade places: as many tokens, other content
     with pytest.raises(ValueError, match=r"made from other data \(as many tokens, .* but other ones"):
         Run.check_resumed_data(run, *counts, {"train": swapped.digest(), "held_out": saved["data_digest"]["held_out"]})
+
+
+def test_init_from_a_bf16_folder_trains_in_the_run_precision(finished, tmp_path):
+    """model.init_from a folder saved in bf16, default precision: the run trains (and exports) float32 under ZeRO-2
+    as under ZeRO-3 (transformers' from_pretrained keeps a folder's dtype: ZeRO-1/2 trained it in bf16 while the
+    run reported fp32)."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    source = tmp_path / "bf16"
+    transformers.AutoModelForMaskedLM.from_pretrained(finished / "model", trust_remote_code=True).to(torch.bfloat16).save_pretrained(source)
+    transformers.AutoTokenizer.from_pretrained(finished / "model", trust_remote_code=True).save_pretrained(source)
+    cfg = tmp_path / "init.yaml"
+    cfg.write_text(
+        f"model: {{init_from: {source}}}\ndata: {{held_out_lines: 60, eval_sequences: 8, num_proc: 1}}\n"
+        "train: {micro_batch: 2, checkpoint_every: 100}\nstages:\n  - {max_length: 32, global_batch: 4, steps: 2, lr: 1.0e-3}\n"
+    )
+    result = pretrain("--config", str(cfg), "--out", str(tmp_path / "run"), "--deepspeed", "zero2", *LINES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with safe_open(str(tmp_path / "run" / "model" / "model.safetensors"), "pt") as weights:
+        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
+    assert dtypes == {"F32"} and "export check: logits within 0 of the live model's (float32)" in result.stderr

@@ -1,6 +1,7 @@
 """Pretraining data: whole-word masking on jieba words, packing, held-out separation, the jumpable sampler."""
 
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -100,6 +101,62 @@ def test_packing_never_crosses_the_length_and_keeps_every_token(tokenizer, tmp_p
         assert (batch["input_ids"][:, 0] == tokenizer.cls_token_id).all()
 
 
+def test_lines_without_tokens_add_no_separator(tokenizer, tmp_path):
+    """A line that is not blank to `str.strip` but tokenizes to nothing (U+200B, a lone BOM) between two lines: one
+    [SEP] between them, as `pack` counts (there were two, and sequences one token longer than max_length: a BERT
+    run stopped at its position table)."""
+    line = "今天天气非常好。"
+    stream = stream_of([line, "\u200b", "\ufeff", line, "\u200b", line], tokenizer, tmp_path / "s")
+    per_line = len(tokenizer.tokenize(line))
+    for max_length in (2 * per_line + 3, 3 * per_line + 4):
+        for span in mlm_data.pack(stream, max_length):
+            tokens, words = mlm_data.sequence_body(stream, span, tokenizer.sep_token_id)
+            assert len(tokens) <= max_length - 2
+            lines_in = (len(tokens) + 1) // (per_line + 1)
+            assert list(tokens).count(tokenizer.sep_token_id) == lines_in - 1 and len(tokens) == lines_in * (per_line + 1) - 1
+
+
+def test_special_tokens_in_the_text_are_never_masked(tokenizer, tmp_path):
+    """[UNK] pieces and special tokens the text spells out ("[MASK]", "[SEP]") are never chosen as targets, as
+    transformers' DataCollatorForLanguageModeling leaves them out; the words around them still are."""
+    lines = ["今天天气[MASK]非常好龘[SEP]我们去公园散步吧。"] * 40
+    stream = stream_of(lines, tokenizer, tmp_path / "s")
+    masker = mlm_data.WholeWordMasker(tokenizer, mlm_probability=0.5)
+    special = set(tokenizer.all_special_ids)
+    assert special & set(stream.tokens[: stream.num_tokens].tolist()) >= {tokenizer.unk_token_id, tokenizer.mask_token_id}
+    targets = []
+    for i, span in enumerate(mlm_data.pack(stream, 64)):
+        tokens, words = mlm_data.sequence_body(stream, span, tokenizer.sep_token_id)
+        _, labels = masker.mask(tokens, words, (0, 0, i))
+        targets += labels[labels != mlm_data.IGNORE_INDEX].tolist()
+    assert len(targets) > 100 and not special & set(targets)
+
+
+def test_a_corpus_file_that_stops_being_utf8_late_is_named(tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_bytes("今天天气非常好。\n".encode() * 2000 + "北京".encode("gbk") + b"\n")
+    with pytest.raises(ValueError, match=rf"--corpus {re.escape(str(path))}: not UTF-8 text \(invalid .* at byte 50000\)"):
+        mlm_data.load_texts([str(path)])
+
+
+def test_the_default_corpus_trains_on_no_fine_tuning_dev_or_test_text():
+    """People's Daily is also the `ner` and `long` tasks' data: the lines a pretraining on the default corpus trains
+    on end before the first line of their dev splits (it used to train on all but the last 1,000 lines, which
+    held every NER dev sentence and half the test ones)."""
+    from roformer_rope.scripts import task_long, task_ner
+    from roformer_rope.tokenization.corpus import people_daily_lines
+
+    lines = people_daily_lines()
+    start = mlm_data.fine_tuning_text_start()
+    assert 0.6 * len(lines) < start <= int(0.8 * len(lines))  # `ner` dev starts at 80% of the lines
+    trained = "".join(lines[:start])
+    held_out = task_long.load()
+    for split in ("dev", "test"):
+        texts = getattr(held_out, split)["head"] + getattr(held_out, split)["tail"]
+        assert not [text for text in texts if text in trained], split
+    assert len(task_ner.load().dev["text"]) > 4000  # (its rows come from lines[int(0.8 n):], after `start`)
+
+
 def test_held_out_lines_never_reach_training(tmp_path):
     import datasets
 
@@ -190,6 +247,37 @@ def test_deepspeed_auto_values_come_from_the_run():
     with pytest.raises(ValueError, match='sets train_batch_size=64, but the stages need 32: use "auto"'):
         fill_deepspeed_config(fixed, micro_batch=4, global_batch=32, world_size=2, precision="fp32",
                               lr=1e-3, weight_decay=0.0, on_cpu=True, hidden_size=256)  # fmt: skip
+
+
+def test_deepspeed_values_the_run_sets_must_be_auto_or_agree():
+    """What the engine sets itself (the stage's lr, train.weight_decay, the precision) is refused when the file fixes
+    another value (it used to be overridden, or the run reported a precision it did not train in); a Trainer-style
+    file's "auto" betas / eps get the Trainer's defaults; "auto" left at any depth is named before anything runs."""
+    from roformer_rope.scripts.pretrain import read_deepspeed_config
+    from roformer_rope.scripts.pretrain_config import deepspeed_precision, fill_deepspeed_config
+
+    _, template = read_deepspeed_config("zero2")
+    run = dict(micro_batch=4, global_batch=32, world_size=1, precision="fp32", lr=1e-3, weight_decay=0.01, on_cpu=True,
+               hidden_size=64)  # fmt: skip
+    optimizer = template["optimizer"]
+    for key, value, message in (("lr", 1e-5, "optimizer.params.lr=1e-05, but the stage's lr is 0.001"),
+                                ("weight_decay", 0.5, "optimizer.params.weight_decay=0.5, but train.weight_decay is 0.01")):  # fmt: skip
+        fixed = {**template, "optimizer": {**optimizer, "params": {**optimizer["params"], key: value}}}
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fill_deepspeed_config(fixed, **run)
+    trainer_style = {**template, "optimizer": {**optimizer, "params": {**optimizer["params"], "betas": "auto", "eps": "auto"}}}
+    params = fill_deepspeed_config(trainer_style, **run)["optimizer"]["params"]
+    assert (params["betas"], params["eps"]) == ([0.9, 0.999], 1e-8)
+    unknown = {**template, "optimizer": {**optimizer, "params": {**optimizer["params"], "amsgrad": "auto"}}}
+    with pytest.raises(ValueError, match=r'cannot resolve "auto" for optimizer\.params\.amsgrad'):
+        fill_deepspeed_config(unknown, **run)
+    assert deepspeed_precision(template, None, "ds") == "fp32"
+    assert deepspeed_precision({**template, "bf16": {"enabled": True}}, None, "ds") == "bf16"
+    assert deepspeed_precision({**template, "bf16": {"enabled": True}}, "bf16", "ds") == "bf16"
+    with pytest.raises(ValueError, match=r"ds: bf16.enabled is false, but --precision is bf16"):
+        deepspeed_precision({**template, "bf16": {"enabled": False}}, "bf16", "ds")
+    with pytest.raises(ValueError, match=r"ds: bf16.enabled is true, but --precision is fp32"):
+        deepspeed_precision({**template, "bf16": {"enabled": True}}, "fp32", "ds")
 
 
 def test_model_section_keys_and_values_are_checked_without_building_the_model():
