@@ -199,7 +199,11 @@ def save_tokenizer(source: Path, out_dir: Path, added: dict | None = None, **set
         raise ConversionError(f"{source}: cannot build the tokenizer ({error})") from None
     _add_tokens(tokenizer, added or {}, source)
     if extra:
-        tokenizer.add_special_tokens({"extra_special_tokens": extra})
+        from tokenizers import AddedToken
+
+        saved = {fields["content"]: fields for fields in (added or {}).values()}  # their flags (lstrip, ...) kept
+        tokens = [AddedToken(**{**saved[t], "special": True}) if t in saved else t for t in extra]
+        tokenizer.add_special_tokens({"extra_special_tokens": tokens})
     return [Path(p).name for p in tokenizer.save_pretrained(out_dir)]
 
 

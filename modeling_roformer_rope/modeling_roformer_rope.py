@@ -175,21 +175,31 @@ class RoFormerRopePooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
+class RoFormerRopeCarriedLinear(nn.Module):
+    """A linear layer's `weight` (out, in) and `bias` (out,) held as buffers: loaded and saved with the model, never
+    trained (no optimizer, weight decay or DeepSpeed partition touches a buffer)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features))  # (out, in)
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)  # (out,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 class RoFormerRopeCarriedPooler(nn.Module):
     """The pooler of a task model's encoder, carried but not run (see `_task_encoder`): `RoFormerRopePooler`'s weights
-    under the same names (`dense.weight`, `dense.bias`), held as buffers, so they are loaded and saved with the model
-    but never trained: no optimizer, weight decay or DeepSpeed partition touches them. Called, it pools as the
-    pooler does (RoFormer-Sim's sentence vector from a MaskedLM: `model.roformer.pooler(last_hidden_state)`)."""
+    under the same names (`dense.weight`, `dense.bias`), untrained buffers. Called, it pools as the pooler does
+    (RoFormer-Sim's sentence vector from a MaskedLM: `model.roformer.pooler(last_hidden_state)`)."""
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__()
-        self.dense = nn.Module()
-        self.dense.register_buffer("weight", torch.empty(config.hidden_size, config.hidden_size))  # (C out, C in)
-        self.dense.register_buffer("bias", torch.empty(config.hidden_size) if config.use_bias else None)  # (C,)
+        self.dense = RoFormerRopeCarriedLinear(config.hidden_size, config.hidden_size, bias=config.use_bias)
         self.activation = nn.Identity() if config.pooler_activation == "linear" else ACT2FN[config.pooler_activation]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.activation(nn.functional.linear(hidden_states[:, 0], self.dense.weight, self.dense.bias))
+        return self.activation(self.dense(hidden_states[:, 0]))
 
 
 @auto_docstring
@@ -225,10 +235,10 @@ class RoFormerRopePreTrainedModel(PreTrainedModel):
             init.copy_(module.feature_projection, module.draw_projection())
         elif isinstance(module, RoFormerRopeLMHead) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
-        elif isinstance(module, RoFormerRopeCarriedPooler):  # buffers: drawn as the pooler's linear layer is
-            init.normal_(module.dense.weight, std=self.config.initializer_range)
-            if module.dense.bias is not None:
-                init.zeros_(module.dense.bias)
+        elif isinstance(module, RoFormerRopeCarriedLinear):  # buffers: drawn as the pooler's linear layer is
+            init.normal_(module.weight, std=self.config.initializer_range)
+            if module.bias is not None:
+                init.zeros_(module.bias)
 
     def redraw_features(self, generator: torch.Generator | None = None) -> None:
         """Draw new FAVOR+ projections for every Performer layer. Never done implicitly: not at inference, not by
@@ -254,10 +264,15 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
     # A checkpoint saved from a task model (e.g. a converted RoFormer-Sim MLM) also holds its head.
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
-    def __init__(self, config: RoFormerRopeConfig, add_pooling_layer: bool | None = None) -> None:
+    def __init__(
+        self, config: RoFormerRopeConfig, add_pooling_layer: bool | None = None, carry_pooler: bool = False
+    ) -> None:
         r"""
         add_pooling_layer (`bool`, *optional*):
             Whether to build the [CLS] pooler; defaults to `config.add_pooler`.
+        carry_pooler (`bool`, *optional*, defaults to `False`):
+            Without a pooler to run, still hold the pooler's weights (`RoFormerRopeCarriedPooler`), as task models do
+            for a config with `add_pooler`.
         """
         super().__init__(config)
         self.embeddings = RoFormerRopeEmbeddings(config)
@@ -272,8 +287,10 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         # the cache layer a causal mask is sized against (linear-attention layers keep no keys)
         self.first_softmax_layer = next((i for i, layer in enumerate(self.layers) if layer.mask_kind == "softmax"), 0)
         add_pooling_layer = config.add_pooler if add_pooling_layer is None else add_pooling_layer
-        self.pooler = RoFormerRopePooler(config) if add_pooling_layer else None
-        self.runs_pooler = self.pooler is not None  # False for a pooler a task model only carries (`_task_encoder`)
+        if add_pooling_layer:
+            self.pooler = RoFormerRopePooler(config)
+        else:  # built before `post_init`, which draws a carried pooler's weights a checkpoint does not hold
+            self.pooler = RoFormerRopeCarriedPooler(config) if carry_pooler else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -282,6 +299,11 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
+
+    @property
+    def runs_pooler(self) -> bool:
+        """`forward` returns a `pooler_output` (not for a pooler a task model only carries, nor without one)."""
+        return isinstance(self.pooler, RoFormerRopePooler)
 
     @property
     def has_linear_layers(self) -> bool:
@@ -487,9 +509,8 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
         )
 
 
-# The pooler weights a task model carries but never runs (`_task_encoder`): missing from a checkpoint, or present
-# where the config has no `add_pooler`, nothing the task model computes changes.
-_CARRIED_POOLER = [r"^roformer\.pooler\."]
+# Pooler weights in a checkpoint whose config has no `add_pooler`: the LM models do not use them.
+_UNUSED_POOLER = [r"^roformer\.pooler\."]
 
 
 def _task_encoder(config: RoFormerRopeConfig) -> RoFormerRopeModel:
@@ -497,10 +518,7 @@ def _task_encoder(config: RoFormerRopeConfig) -> RoFormerRopeModel:
     with its pooler) names a pooler its checkpoints hold next to the task head: the encoder carries those weights
     (`RoFormerRopeCarriedPooler`: untrained, never run), so loading keeps them and `save_pretrained` writes them
     back (a fine-tuned and saved folder still gives `AutoModel` its pooled sentence vectors)."""
-    encoder = RoFormerRopeModel(config, add_pooling_layer=False)
-    if config.add_pooler:
-        encoder.pooler = RoFormerRopeCarriedPooler(config)
-    return encoder
+    return RoFormerRopeModel(config, add_pooling_layer=False, carry_pooler=config.add_pooler)
 
 
 class RoFormerRopeLMHead(nn.Module):
@@ -540,7 +558,7 @@ def _before_the_loss_row_wise(model: nn.Module) -> list[nn.Module]:
 @auto_docstring
 class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
     _tied_weights_keys = _LM_TIED_WEIGHTS
-    _keys_to_ignore_on_load_unexpected = _keys_to_ignore_on_load_missing = _CARRIED_POOLER
+    _keys_to_ignore_on_load_unexpected = _UNUSED_POOLER
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
@@ -623,7 +641,7 @@ class RoFormerRopeForMaskedLM(RoFormerRopePreTrainedModel):
 @auto_docstring(custom_intro="RoFormer with a language-modeling head for causal generation (RoFormer-GPT).")
 class RoFormerRopeForCausalLM(RoFormerRopePreTrainedModel, GenerationMixin):
     _tied_weights_keys = _LM_TIED_WEIGHTS
-    _keys_to_ignore_on_load_unexpected = _keys_to_ignore_on_load_missing = _CARRIED_POOLER
+    _keys_to_ignore_on_load_unexpected = _UNUSED_POOLER
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
@@ -713,7 +731,6 @@ class RoFormerRopeClassificationHead(nn.Module):
 
 @auto_docstring(custom_intro="RoFormer with a [CLS] classification / regression head.")
 class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
-    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
     # Its loss is a mean over this batch that ignores `num_items_in_batch` (for sequence classification: the
     # regression and multi-label forms): with this False the Trainer divides it by the gradient-accumulation steps
     # itself (seeing **kwargs in `forward`, it would assume the model had normalised it).
@@ -759,8 +776,6 @@ class RoFormerRopeForSequenceClassification(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer with a per-token classification head (NER, POS tagging).")
 class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
-    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
-
     def __init__(self, config: RoFormerRopeConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -805,7 +820,6 @@ class RoFormerRopeForTokenClassification(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer with a span-extraction head (start/end logits) for extractive QA.")
 class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
-    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
     # Its loss is a mean over this batch that ignores `num_items_in_batch`: with this False the Trainer divides it
     # by the gradient-accumulation steps itself (seeing **kwargs in `forward`, it would assume the model had).
     accepts_loss_kwargs = False
@@ -855,7 +869,6 @@ class RoFormerRopeForQuestionAnswering(RoFormerRopePreTrainedModel):
 
 @auto_docstring(custom_intro="RoFormer scoring each of several choices (input shape (batch, num_choices, seq_len)).")
 class RoFormerRopeForMultipleChoice(RoFormerRopePreTrainedModel):
-    _keys_to_ignore_on_load_missing = _CARRIED_POOLER
     # Its loss is a mean over this batch that ignores `num_items_in_batch`: with this False the Trainer divides it
     # by the gradient-accumulation steps itself (seeing **kwargs in `forward`, it would assume the model had).
     accepts_loss_kwargs = False

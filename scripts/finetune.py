@@ -479,13 +479,14 @@ def reload_in_fresh_process(folder: Path, kind: str, inputs: list, max_length: i
     task's pipeline on `inputs` (sent on stdin: as one argument, 100 long-task examples passed Linux's 128 KiB
     limit on an argument); returns the pipeline outputs."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"))
+    env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), PYTHONIOENCODING="utf-8")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     with tempfile.TemporaryDirectory() as cwd:
         result = subprocess.run(
             [sys.executable, "-c", RELOAD_SCRIPT, str(Path(folder).resolve()), kind, str(max_length)],
             input=json.dumps(inputs, ensure_ascii=False),
+            encoding="utf-8",  # both ways, whatever the locale (the child's side: PYTHONIOENCODING)
             cwd=cwd,
             env=env,
             capture_output=True,

@@ -97,9 +97,14 @@ def load_texts(corpus: Sequence[str] | None = None, column: str = "text", split:
     try:
         texts = datasets.load_dataset("text", data_files=files, split="train")
     except Exception as error:  # `datasets` wraps a decoding error in its generic one, naming no file
-        for name in files:
+        cause = error
+        while cause is not None and not isinstance(cause, UnicodeDecodeError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        for name in files:  # which file, and where
             _check_utf8(name)
-        raise ValueError(f"--corpus: `datasets` cannot read the corpus files ({error})") from None
+        raise ValueError(f"--corpus: a corpus file is not UTF-8 text ({cause})") from None
     return texts.filter(lambda row: bool(row["text"].strip()), desc="dropping empty lines")
 
 

@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 import transformers
+from tokenizers import AddedToken
 
 from conftest import builtin_model, padded_batch
 from roformer_rope.conversion.from_transformers import ConversionError, convert_folder
@@ -85,7 +86,7 @@ def test_added_tokens_and_settings_are_carried_over_as_transformers_loads_them(t
     source = tmp_path / "builtin"
     tokenizer = transformers.RoFormerTokenizer(vocab={t: i for i, t in enumerate(vocab)}, strip_accents=False, unk_token="<unk>")
     tokenizer.add_tokens(["[E1]"])
-    tokenizer.add_special_tokens({"extra_special_tokens": ["[E2]"]})
+    tokenizer.add_special_tokens({"extra_special_tokens": [AddedToken("[E2]", lstrip=True, rstrip=True, special=True)]})
     builtin_model("RoFormerForMaskedLM", vocab_size=len(tokenizer)).save_pretrained(source)
     tokenizer.save_pretrained(source)
     builtin = transformers.AutoTokenizer.from_pretrained(source)
@@ -95,14 +96,18 @@ def test_added_tokens_and_settings_are_carried_over_as_transformers_loads_them(t
         # the rewritten folder holds the same tokens as transformers reads them (its RoFormerTokenizer, built from a
         # vocab.txt, then cuts words by another vocabulary: the v5-loaded one is the ids' oracle)
         reread = transformers.AutoTokenizer.from_pretrained(source)
-        past_vocab = [(i, t) for i, t in builtin.added_tokens_decoder.items() if i >= len(vocab)]
-        assert [(i, t) for i, t in reread.added_tokens_decoder.items() if i >= len(vocab)] == past_vocab
+        past_vocab = [(i, str(t), t.special) for i, t in builtin.added_tokens_decoder.items() if i >= len(vocab)]
+        assert [(i, str(t), t.special) for i, t in reread.added_tokens_decoder.items() if i >= len(vocab)] == past_vocab
         assert (reread.unk_token, reread.all_special_tokens) == ("<unk>", builtin.all_special_tokens)
     out = convert_folder(source, tmp_path / "converted")
     ours = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     assert (len(ours), ours.unk_token, ours.all_special_tokens) == (len(builtin), "<unk>", builtin.all_special_tokens)
     for text in ADDED_TEXTS + ["é e É 冷"]:
         assert ours(text)["input_ids"] == builtin(text)["input_ids"], text
+    if layout != "v4-legacy":  # added_tokens.json holds no flags
+        flags = [(i, str(t), t.lstrip, t.rstrip, t.normalized, t.special) for i, t in builtin.added_tokens_decoder.items()]
+        assert [(i, str(t), t.lstrip, t.rstrip, t.normalized, t.special) for i, t in ours.added_tokens_decoder.items()
+                if i >= len(vocab)] == [f for f in flags if f[0] >= len(vocab)]  # fmt: skip
     assert builtin("É 冷")["input_ids"][1:-1] == [vocab.index("é"), vocab.index("<unk>")]  # accent kept, <unk>
     assert ours("[e1]")["input_ids"][1:-1] == [len(vocab)]  # normalised added token: matched lower-cased
 

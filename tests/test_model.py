@@ -341,6 +341,20 @@ def test_a_task_model_carries_the_pooler_through_a_training_step_and_save(tmp_pa
     assert not torch.equal(reloaded.layers[0].mlp.up_proj.weight, encoder.layers[0].mlp.up_proj.weight)  # it trained
 
 
+def test_a_carried_pooler_a_checkpoint_lacks_is_drawn_like_the_pooler(tmp_path):
+    """Built from a config, or loaded from a folder without pooler weights, a task model's carried pooler is drawn
+    as the pooler's linear layer is (it was left as `torch.empty` gave it: NaN or 1e35 at times, which a save then
+    handed to AutoModel)."""
+    config = tiny_config(add_pooler=True, initializer_range=0.5)
+    fresh = rr.RoFormerRopeForMaskedLM(config)
+    rr.RoFormerRopeModel(config, add_pooling_layer=False).save_pretrained(tmp_path)  # no pooler weights
+    loaded = rr.RoFormerRopeForSequenceClassification.from_pretrained(tmp_path)
+    for model in (fresh, loaded):
+        weight, bias = model.roformer.pooler.dense.weight, model.roformer.pooler.dense.bias
+        assert torch.isfinite(weight).all() and 0.4 < weight.std().item() < 0.6  # initializer_range
+        assert torch.equal(bias, torch.zeros_like(bias))
+
+
 def test_sequence_classification_problem_types():
     batch = padded_batch()
     model = model_of(rr.RoFormerRopeForSequenceClassification, num_labels=3)

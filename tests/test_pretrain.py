@@ -610,3 +610,16 @@ def test_init_from_a_bf16_folder_trains_in_the_run_precision(finished, tmp_path)
     with safe_open(str(tmp_path / "run" / "model" / "model.safetensors"), "pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
     assert dtypes == {"F32"} and "export check: logits within 0 of the live model's (float32)" in result.stderr
+
+
+def test_a_run_on_the_default_corpus_trains_before_the_fine_tuning_dev_text(config, tmp_path):
+    """Without --corpus the run trains on People's Daily up to `fine_tuning_text_start()` and holds out the last
+    lines: no line of the ner / long dev or test text is trained on."""
+    from roformer_rope.scripts.mlm_data import TokenStream, fine_tuning_text_start
+
+    run = tmp_path / "run"
+    result = pretrain("--config", str(config), "--out", str(run), "--max-steps", "1", "--no-export")
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = fine_tuning_text_start()
+    assert f"corpus: {start} training lines, 60 held out" in result.stderr
+    assert TokenStream.load(run / "data" / "train").num_lines == start

