@@ -183,9 +183,11 @@ def convert_checkpoint(
         model.save_pretrained(tmp)
         save_tokenizer(folder, tmp, model_max_length=model.config.max_position_embeddings)
         result.max_abs_diff = verify_folder(model, tmp)
-        # `--checkpoint .` names no release: its folder does (made absolute, symlinks kept as the user named them)
+        # `--checkpoint .` names no release: its folder does (made absolute, symlinks kept as the user named them).
+        # The card is published with --push-to-hub: it names the release (and the prefix file), never the local path.
         name = Path(os.path.abspath(folder)).name
-        source = str(checkpoint) if Path(checkpoint).name not in ("", ".", "..") else name
+        given = Path(os.path.abspath(checkpoint))
+        source = name if given.is_dir() else f"{name}/{given.name}"
         values = tf_card_values(result, model.config, source, name, repo_id, license)
         (tmp / "README.md").write_text(render_model_card(values), encoding="utf-8")
     result.out_dir = Path(out_dir)

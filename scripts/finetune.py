@@ -578,6 +578,10 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
     for flag, value in (("--max_train_samples", data_args.max_train_samples), ("--max_eval_samples", data_args.max_eval_samples)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if data_args.early_stopping_patience < 0:
+        raise ValueError(f"--early_stopping_patience must be >= 0 (0 = off), got {data_args.early_stopping_patience}")
+    if not 0.0 <= data_args.early_stopping_start <= 1.0:
+        raise ValueError(f"--early_stopping_start must be a fraction of the run in [0, 1], got {data_args.early_stopping_start}")
     if training_args.resume_from_checkpoint:
         raise ValueError(
             "--resume_from_checkpoint: a fine-tune keeps its checkpoints in a temporary folder removed when it ends, "

@@ -721,6 +721,18 @@ def test_checkpoint_given_as_dot_is_named_by_its_folder_in_the_card(tmp_path, mo
     assert "`.`" not in card and "#  (" not in card
 
 
+@pytest.mark.parametrize("given", ["folder", "prefix"])
+def test_the_card_names_the_release_not_the_local_path(tmp_path, given):
+    """The card goes to the Hub with --push-to-hub: its provenance names the release folder (and prefix file),
+    not where it sat on the converting machine."""
+    release = tmp_path / "private" / "chinese_roformer-char_tiny"
+    shutil.copytree(FIXTURES / "v1", release)
+    checkpoint = release if given == "folder" else release / "bert_model.ckpt"
+    card = (convert_checkpoint(checkpoint, tmp_path / "x").out_dir / "README.md").read_text(encoding="utf-8")
+    expected = "chinese_roformer-char_tiny" + ("/bert_model.ckpt" if given == "prefix" else "")
+    assert f"| original checkpoint | `{expected}` |" in card and str(tmp_path) not in card
+
+
 @pytest.mark.parametrize("given", [".", "bert_model.ckpt"])
 @pytest.mark.parametrize("name, kind", [("sim", "sim"), ("gpt", "gpt")])
 def test_a_relative_checkpoint_inside_its_release_folder_keeps_the_folder_name_hint(tmp_path, monkeypatch, given, name, kind):

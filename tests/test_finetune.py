@@ -549,6 +549,8 @@ def test_output_and_flag_problems(tmp_path, capsys):
     for flags, message in ((["--max_train_samples", "-5"], "--max_train_samples must be >= 1, got -5"),
                            (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1, got 0"),
                            (["--max_train_seconds", "0"], "--max_train_seconds must be > 0 (omit it for no limit), got 0"),
+                           (["--early_stopping_patience", "-1"], "--early_stopping_patience must be >= 0 (0 = off), got -1"),
+                           (["--early_stopping_start", "1.5"], "--early_stopping_start must be a fraction of the run in [0, 1]"),
                            (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps")):  # fmt: skip
         code, err = run_main(["sentiment", *flags, "--output_dir", str(tmp_path / "new"), *TINY], capsys)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
