@@ -503,7 +503,9 @@ class Run:
             )
         state = load_checkpoint(self.engine, self.checkpoints, tag, self.dist)
         self.stage_table = state["stage_table"]
-        self.trim_log(sum(s.steps for s in self.config.stages[: state["stage"]]) + state["stage_step"])
+        global_step = sum(s.steps for s in self.config.stages[: state["stage"]]) + state["stage_step"]
+        self.trim_log(global_step)
+        self.purge_tensorboard(global_step)
         logger.info("resumed from %s: stage %d, step %d", tag, state["stage"] + 1, state["stage_step"])
         return (
             state["stage"], state["stage_step"], state["tokens_seen"], state["train_seconds"],
@@ -526,6 +528,15 @@ class Run:
         tmp = self.history_file.with_name(f".{self.history_file.name}.tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, self.history_file)
+
+    def purge_tensorboard(self, global_step: int) -> None:
+        """TensorBoard, as `trim_log`: the steps a killed run logged past the checkpoint are hidden (a writer reopened
+        with `purge_step`), else they would show twice, once from each run."""
+        if self.writer is None:
+            return
+        log_dir = self.writer.log_dir
+        self.writer.close()
+        self.writer = type(self.writer)(log_dir, purge_step=global_step + 1)
 
     # -- training --
 

@@ -623,3 +623,49 @@ def test_a_run_on_the_default_corpus_trains_before_the_fine_tuning_dev_text(conf
     start = fine_tuning_text_start()
     assert f"corpus: {start} training lines, 60 held out" in result.stderr
     assert TokenStream.load(run / "data" / "train").num_lines == start
+
+
+class _RecordingWriter:
+    """Stands in for tensorboard's SummaryWriter: records how it was opened and closed."""
+
+    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+        self.log_dir, self.purge_step, self.closed = log_dir, purge_step, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_resume_reopens_tensorboard_purging_the_steps_past_the_checkpoint():
+    """A killed run logged steps past its checkpoint; they are trained again after --resume, so TensorBoard must hide
+    the first ones (a writer reopened with purge_step = the first step trained again), as train_log.jsonl drops them."""
+    from roformer_rope.scripts.pretrain import Run
+
+    run = Run.__new__(Run)
+    first = run.writer = _RecordingWriter("out/tensorboard")
+    run.purge_tensorboard(4)
+    assert first.closed and (run.writer.log_dir, run.writer.purge_step) == ("out/tensorboard", 5)
+
+
+@pytest.mark.slow
+def test_tensorboard_shows_each_step_once_after_a_kill_and_resume(config, tmp_path):
+    """The real writer, killed after the step-4 checkpoint and resumed: every train/loss step once (steps 5-7 were
+    shown twice before)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "roformer_rope.scripts.pretrain", "--config", str(config), "--out", str(run), *LINES, "--tensorboard"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    log = run / "train_log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= 7:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert pretrain("--config", str(config), "--out", str(run), *LINES, "--tensorboard", "--resume").returncode == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == list(range(1, 17))
