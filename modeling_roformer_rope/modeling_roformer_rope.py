@@ -188,18 +188,14 @@ class RoFormerRopeCarriedLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-class RoFormerRopeCarriedPooler(nn.Module):
-    """The pooler of a task model's encoder, carried but not run (see `_task_encoder`): `RoFormerRopePooler`'s weights
-    under the same names (`dense.weight`, `dense.bias`), untrained buffers. Called, it pools as the pooler does
-    (RoFormer-Sim's sentence vector from a MaskedLM: `model.roformer.pooler(last_hidden_state)`)."""
+class RoFormerRopeCarriedPooler(RoFormerRopePooler):
+    """The pooler of a task model's encoder, carried but not run (see `_task_encoder`): `RoFormerRopePooler` with its
+    dense weights (same names, `dense.weight`, `dense.bias`) as untrained buffers. Called, it pools as the pooler
+    does (RoFormer-Sim's sentence vector from a MaskedLM: `model.roformer.pooler(last_hidden_state)`)."""
 
     def __init__(self, config: RoFormerRopeConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         self.dense = RoFormerRopeCarriedLinear(config.hidden_size, config.hidden_size, bias=config.use_bias)
-        self.activation = nn.Identity() if config.pooler_activation == "linear" else ACT2FN[config.pooler_activation]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden_states[:, 0]))
 
 
 @auto_docstring
@@ -303,7 +299,7 @@ class RoFormerRopeModel(RoFormerRopePreTrainedModel):
     @property
     def runs_pooler(self) -> bool:
         """`forward` returns a `pooler_output` (not for a pooler a task model only carries, nor without one)."""
-        return isinstance(self.pooler, RoFormerRopePooler)
+        return isinstance(self.pooler, RoFormerRopePooler) and not isinstance(self.pooler, RoFormerRopeCarriedPooler)
 
     @property
     def has_linear_layers(self) -> bool:
