@@ -227,6 +227,15 @@ class TokenStream:
         return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("tokens", "words", "line_starts")))
 
 
+def special_share(stream: TokenStream, special_ids: np.ndarray, block: int = 1 << 22) -> float:
+    """The share of a stream's tokens that are special ([UNK] pieces, literal [SEP]/[MASK] text): never MLM
+    targets. Read in blocks, so a memory-mapped stream is not loaded whole."""
+    if stream.num_tokens == 0:
+        return 0.0
+    special = sum(int(np.isin(stream.tokens[i : i + block], special_ids).sum()) for i in range(0, stream.num_tokens, block))
+    return special / stream.num_tokens
+
+
 def stream_fingerprint(texts, tokenizer) -> str:
     """Identifies (corpus rows, vocabulary): a cached stream is reused only for the same inputs."""
     h = hashlib.sha256()

@@ -74,6 +74,7 @@ from .pretrain_export import RUN_MARKER
 logger = logging.getLogger("roformer_rope.pretrain")
 
 PROBE_LENGTH = 64
+SPECIAL_SHARE_WARNING = 0.05  # more special tokens than this in a split: the vocabulary may not fit the corpus
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------
@@ -222,6 +223,25 @@ class Run:
                 "whose last lines hold text"
             )
         self.masker = mlm_data.WholeWordMasker(self.tokenizer, self.config.data.mlm_probability, self.config.train.seed)
+        self.check_special_share()
+
+    def check_special_share(self) -> None:
+        """Special tokens are never MLM targets: a vocabulary that does not cover the corpus (every piece [UNK])
+        would leave nothing to predict, and the loss of a target-less batch is NaN. Refused before training."""
+        unk = self.tokenizer.unk_token or "[UNK]"
+        for split, stream in (("training", self.train_stream), ("held-out", self.held_out_stream)):
+            share = mlm_data.special_share(stream, self.masker.special_ids)
+            if share == 1.0:
+                raise ValueError(
+                    f"every {split} token is a special token ({unk} and the like): nothing to predict. The vocabulary "
+                    f"({len(self.tokenizer):,} tokens) does not cover the corpus's text; build one from it (leave out "
+                    "--vocab) or give a corpus in its language"
+                )
+            if share > SPECIAL_SHARE_WARNING:
+                logger.warning(
+                    "%.1f%% of the %s tokens are special tokens (mostly %s): they are never MLM targets; does the "
+                    "vocabulary cover the corpus?", 100 * share, split, unk,
+                )  # fmt: skip
 
     def check_resumed_data(self, train_tokens: int, held_out_tokens: int, digests: dict | None = None) -> None:
         saved = self.saved.get("data_tokens")
@@ -622,7 +642,7 @@ class Run:
                 t0 = time.perf_counter()
                 lr = stage.lr_at(step)
                 set_lr(self.engine, lr)
-                losses, step_tokens = [], 0
+                losses, step_tokens, untargeted = [], 0, 0
                 micro = self.micro_batches(sampler, stage_idx, stage, step, spans)
                 for index, batch in enumerate(micro):
                     # The step ends with this rank's last micro-batch. Said explicitly: DeepSpeed's own rule (its
@@ -634,6 +654,7 @@ class Run:
                     self.engine.step()
                     losses.append(loss.item())
                     step_tokens += int(batch["attention_mask"].sum())
+                    untargeted += int(not bool((batch["labels"] != mlm_data.IGNORE_INDEX).any()))
                 loss, step_tokens = self.across_ranks(float(np.mean(losses)), step_tokens)
                 elapsed = time.perf_counter() - t0
                 seconds += elapsed
@@ -641,7 +662,12 @@ class Run:
                 stage_tokens += step_tokens
                 global_step += 1
                 if not math.isfinite(loss):
-                    raise FloatingPointError(f"{stage.name} step {step + 1}: the training loss is {loss}")
+                    why = (
+                        f": {untargeted} of its micro-batches had no MLM target (their sequences hold only special "
+                        "tokens such as [UNK]; does the vocabulary cover the corpus?)"
+                        if untargeted else ""
+                    )  # fmt: skip
+                    raise FloatingPointError(f"{stage.name} step {step + 1}: the training loss is {loss}{why}")
                 record = {"stage": stage_idx + 1, "step": step + 1, "global_step": global_step, "loss": loss,
                           "lr": lr, "tokens_per_second": step_tokens / elapsed, "epoch": sampler.epoch_of(step + 1)}
                 self.log(record)

@@ -604,10 +604,23 @@ def test_finetune_table_reuses_a_run_only_when_its_flags_are_the_same(tmp_path, 
     assert table.main(argv) == 0 and len(ran) == 1
     assert table.main(argv) == 0 and len(ran) == 1  # same flags: reused
     assert table.main([*argv, "--extra", "--max_steps", "2"]) == 0 and len(ran) == 2  # other flags: run again
-    assert "(made with other flags)" in capsys.readouterr().out
-    spellings = ["models/x", "./models/x/", str(tmp_path.cwd() / "models" / "x")]  # one folder, spelt three ways
-    keys = {table.run_key(["python", "--model", path, "--output_dir", str(tmp_path / path[-3:])]) for path in spellings}
-    assert len(keys) == 1
+    assert "(made with other flags or another model)" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "models" / "x"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights 1")
+    (model / "README.md").write_text("card")
+    spellings = ["models/x", "./models/x/", str(model)]  # one folder, spelt three ways
+
+    def keys() -> set:
+        return {table.run_key(["python", "--model", path, "--output_dir", str(tmp_path / path[-3:])]) for path in spellings}
+
+    before = keys()
+    assert len(before) == 1
+    (model / "README.md").write_text("another card")  # the card is not the model
+    assert keys() == before
+    (model / "model.safetensors").write_bytes(b"weights 2")  # a model retrained into the same folder: not reused
+    assert len(keys()) == 1 and keys() != before
 
 
 @pytest.mark.parametrize("flag", ["is_decoder", "unilm_mask"])

@@ -194,6 +194,7 @@ def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config
         ("resume_nothing", ["--resume"], "holds no checkpoints/ folder"),
         ("lamb", [], "ds.json: DeepSpeed could not start the engine: "),  # DeepSpeed's Lamb needs a GPU kernel
         ("held_out_tokenless", [], "the held-out lines (the corpus's last lines) hold no token"),
+        ("vocab_uncovered", [], "every training token is a special token ([UNK] and the like): nothing to predict"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message, refused_here):
@@ -219,6 +220,10 @@ def test_bad_input_is_one_clear_line(tmp_path, config, make, args, message, refu
         corpus = tmp_path / "tail.txt"
         corpus.write_text("今天天气非常好，我们去公园散步吧。\n" * 300 + "\u200b\n" * 100, encoding="utf-8")
         args = ["--corpus", str(corpus)]
+    elif make == "vocab_uncovered":  # a Latin vocabulary for Chinese text: every piece is [UNK], the loss NaN
+        vocab = tmp_path / "vocab.txt"
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghij"]) + "\n", encoding="utf-8")
+        args = ["--vocab", str(vocab)]
     # the real command for one case, and for Lamb, which DeepSpeed refuses only while starting its engine
     command = pretrain if make in (None, "lamb") else refused_here
     result = command("--config", str(cfg), "--out", str(tmp_path / "run"), *LINES, *args)

@@ -451,3 +451,41 @@ def test_zero3_cpu_allocator_setting_applies_unless_the_user_chose():
                                        env={**env, **extra}).stdout.strip()  # fmt: skip
     assert run({}) == "True"
     assert run({"MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"
+
+
+def test_special_share_counts_unk_pieces_in_blocks():
+    """The share of never-targeted tokens, read block by block (a memory-mapped stream is not loaded whole)."""
+    tokens = np.array([5, 1, 7, 1, 1, 9, 3], dtype=np.int32)  # ids 1 and 3 special
+    stream = mlm_data.TokenStream(tokens, np.arange(7), np.array([0, 7]))
+    special = np.array([0, 1, 2, 3, 4])
+    for block in (1, 2, 3, 100):
+        assert mlm_data.special_share(stream, special, block=block) == pytest.approx(4 / 7)
+    empty = mlm_data.TokenStream(np.zeros(0, np.int32), np.zeros(0, np.int64), np.array([0]))
+    assert mlm_data.special_share(empty, special) == 0.0
+
+
+def test_a_vocabulary_that_covers_little_of_the_corpus_is_warned_about_and_none_of_it_refused(tokenizer, tmp_path, caplog):
+    """[UNK] pieces are never MLM targets: a high share is a warning, a stream of nothing else an error (its loss
+    would be NaN at the first step)."""
+    from types import SimpleNamespace
+
+    from roformer_rope.scripts.pretrain import Run
+
+    masker = mlm_data.WholeWordMasker(tokenizer)
+    unk = tokenizer.unk_token_id
+    good = stream_of(["今天天气非常好"], tokenizer, tmp_path / "good")
+    assert mlm_data.special_share(good, masker.special_ids) == 0.0
+    half = mlm_data.TokenStream(np.array([unk, *good.tokens[:3]], np.int32), np.arange(4), np.array([0, 4]))
+    only_unk = mlm_data.TokenStream(np.array([unk] * 4, np.int32), np.arange(4), np.array([0, 4]))
+    run = SimpleNamespace(tokenizer=tokenizer, masker=masker, train_stream=half, held_out_stream=good)
+    with caplog.at_level("WARNING", logger="roformer_rope.pretrain"):
+        Run.check_special_share(run)
+    assert "25.0% of the training tokens are special tokens (mostly [UNK])" in caplog.text
+    caplog.clear()
+    run.train_stream = good
+    with caplog.at_level("WARNING", logger="roformer_rope.pretrain"):
+        Run.check_special_share(run)
+    assert caplog.text == ""
+    run.held_out_stream = only_unk
+    with pytest.raises(ValueError, match="every held-out token is a special token"):
+        Run.check_special_share(run)

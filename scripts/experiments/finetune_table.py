@@ -19,12 +19,13 @@ runs each of them and reports the test score of the one with the best mean dev s
 
 Each run is `python -m roformer_rope.scripts.finetune TASK ...` in its own process, writing
 `OUT/runs/ROW-COLUMN-seedS/`; runs whose `finetune_results.json` exists and were made with the same flags
-are reused (rerunning the command resumes; `--rerun` forces). The table goes to `OUT/table.md` and `OUT/table.json`.
+and the same model files (a content hash of the `--model` folder) are reused (rerunning the command resumes; `--rerun` forces). The table goes to `OUT/table.md` and `OUT/table.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -106,15 +107,32 @@ def skip_reason(row: str, column: str, args: argparse.Namespace) -> str | None:
 COMMAND_FILE = "table_command.json"  # written into each run folder after its run
 
 
+def folder_fingerprint(folder: str) -> str:
+    """SHA-256 over the files of a model folder (weights, config, tokenizer, code; not its README): a model
+    retrained into the same path gives another fingerprint, so its old runs are not reused."""
+    digest, root = hashlib.sha256(), Path(folder)
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if path.is_file() and path.name != "README.md":
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
 def run_key(command: list[str]) -> str:
     """What makes two runs of a cell the same: the finetune flags, without the interpreter and the run's own
-    folder, with `--model` as a path relative to the working directory (however it was spelt)."""
+    folder, with `--model` as a path relative to the working directory (however it was spelt) followed by the
+    folder's content fingerprint (the same path may hold a retrained model)."""
     flags, key = command[1:], []
     for i, flag in enumerate(flags):
         previous = flags[i - 1] if i else None
         if flag == "--output_dir" or previous == "--output_dir":
             continue
-        key.append(os.path.relpath(os.path.abspath(os.path.expanduser(flag))) if previous == "--model" else flag)
+        if previous == "--model":
+            key += [os.path.relpath(os.path.abspath(os.path.expanduser(flag))), folder_fingerprint(os.path.expanduser(flag))]
+        else:
+            key.append(flag)
     return json.dumps(key)
 
 
@@ -226,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     if same and not args.rerun:
                         print(f"[reuse] {run_dir}", flush=True)
                     else:
-                        changed = " (made with other flags)" if results_file.is_file() and not same else ""
+                        changed = " (made with other flags or another model)" if results_file.is_file() and not same else ""
                         print(f"[run]{changed} {shlex.join(command)}", flush=True)
                         t0 = time.monotonic()
                         subprocess.run(command, env=env, check=True)
