@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -173,7 +174,16 @@ def split_held_out(texts, held_out_lines: int):
 _CUT = None
 
 
-def _jieba_word_starts(text: str) -> list[int]:
+def _jieba_word_starts(text: str, tokenizer=None) -> list[int]:
+    """Where each jieba word of `text` starts: the unit of whole-word masking. A tokenizer with its own jieba
+    words (`jieba_words=`, `jieba_dict.txt`) cuts with them, so a user word is masked whole, as it is tokenized."""
+    segmenter = getattr(tokenizer, "_segmenter", None)
+    if segmenter is not None and segmenter.words:
+        normaliser = getattr(tokenizer, "_normalizer", None)
+        norm = normaliser.normalize_str(text) if normaliser is not None else text  # what the tokenizer cuts
+        words = segmenter(norm if len(norm) == len(text) else text)  # offsets must stay those of `text`
+        if sum(map(len, words)) == len(text):
+            return list(itertools.accumulate((len(w) for w in words[:-1]), initial=0))
     global _CUT
     if _CUT is None:  # created in each worker process (the segmenter itself does not pickle)
         from roformer_rope.tokenization.build_vocab import jieba_tokenize_fn
@@ -193,7 +203,7 @@ def _encode_batch(batch: dict, tokenizer) -> dict:
     )
     words = []
     for text, offsets in zip(batch["text"], enc["offset_mapping"]):
-        starts = _jieba_word_starts(text)
+        starts = _jieba_word_starts(text, tokenizer)
         words.append([max(bisect.bisect_right(starts, s) - 1, 0) for s, _ in offsets])
     return {"input_ids": enc["input_ids"], "word_ids": words}
 

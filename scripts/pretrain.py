@@ -283,16 +283,16 @@ class Run:
 
             AutoTokenizer.from_pretrained(init_from, trust_remote_code=True).save_pretrained(tok_dir)
             return
+        from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer, read_vocab_lines
+
         tok_dir.mkdir(parents=True, exist_ok=True)
         if self.args.vocab:
-            tokens = Path(self.args.vocab).read_text(encoding="utf-8").splitlines()
+            tokens = read_vocab_lines(self.args.vocab)  # line = id, as the tokenizer reads it (not str.splitlines)
         else:
             logger.info("building a vocabulary from the training lines (%d jieba words)", self.config.data.vocab_words)
             counts = count(train["text"], total=len(train))
             tokens = make_vocab(counts, self.config.data.vocab_words, self.config.data.vocab_min_char_count)
         write_vocab(tokens, tok_dir / "vocab.txt")
-        from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
-
         RoFormerRopeTokenizer(vocab_file=str(tok_dir / "vocab.txt")).save_pretrained(tok_dir)
 
     @staticmethod

@@ -46,6 +46,30 @@ def test_word_ids_come_from_jieba_not_from_wordpiece(tokenizer, tmp_path):
     assert not same("在", "北京") and not same("了", "外") and len(set(words.tolist())) == 10
 
 
+def test_whole_words_follow_the_tokenizers_own_jieba_words(tokenizer, tmp_path):
+    """A tokenizer's user words (`jieba_words=`) are whole words for the masker too: '外国客人' (not in the
+    vocabulary, so four character pieces) is one word, where default jieba cuts '外国' / '客人'. Lower-cased as
+    the tokenizer cuts: the user word 'ab客人' matches 'AB客人'."""
+    from modeling_roformer_rope.tokenization_roformer_rope import RoFormerRopeTokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get)) + "\n", encoding="utf-8")
+    custom = RoFormerRopeTokenizer(vocab_file=str(vocab), jieba_words=["外国客人", "ab客人"])
+    text = "李鹏会见了外国客人。AB客人"
+    plain, own = (stream_of([text], t, tmp_path / name) for t, name in ((tokenizer, "plain"), (custom, "own")))
+    assert np.array_equal(plain.tokens, own.tokens)  # the same pieces: only the word grouping differs
+    tokens = custom.convert_ids_to_tokens(np.asarray(own.tokens).tolist())
+    assert tokens[5:9] == ["外", "国", "客", "人"]
+
+    def groups(stream):  # word id runs, as token index lists
+        words = np.asarray(stream.words).tolist()
+        return [[i for i, w in enumerate(words) if w == word] for word in sorted(set(words))]
+
+    assert [5, 6, 7, 8] in groups(own) and [5, 6] in groups(plain) and [7, 8] in groups(plain)
+    last = list(range(10, len(tokens)))  # 'ab' + 客 + 人 (however 'ab' is pieced): one user word
+    assert last in groups(own) and last not in groups(plain)
+
+
 def test_whole_word_masking_statistics(tokenizer, tmp_path):
     lines = ["国务院总理李鹏在北京会见了外国客人。", "今天天气非常好我们去公园散步吧。"] * 20
     stream = stream_of(lines, tokenizer, tmp_path / "s")
@@ -489,3 +513,20 @@ def test_a_vocabulary_that_covers_little_of_the_corpus_is_warned_about_and_none_
     run.held_out_stream = only_unk
     with pytest.raises(ValueError, match="every held-out token is a special token"):
         Run.check_special_share(run)
+
+
+def test_a_given_vocab_is_read_line_by_line_as_the_tokenizer_reads_it(tmp_path):
+    """`--vocab`: one token per line, as the tokenizer and bert4keras count them. `str.splitlines` also split a
+    token at U+0085 / U+2028 (shifting every later id), and a byte-order mark became part of '[PAD]'."""
+    from types import SimpleNamespace
+
+    from roformer_rope.scripts.pretrain import Run
+
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "中", "a\x85b", "c\u2028d", "国"]
+    given = tmp_path / "given.txt"
+    given.write_bytes(b"\xef\xbb\xbf" + "".join(t + "\n" for t in tokens).encode("utf-8"))
+    run = SimpleNamespace(config=SimpleNamespace(model={}), args=SimpleNamespace(vocab=str(given)))
+    Run.make_tokenizer(run, None, tmp_path / "tok")
+    tokenizer = Run.load_tokenizer(tmp_path / "tok")
+    assert tokenizer.convert_tokens_to_ids(["[PAD]", "中", "国"]) == [0, 5, 8]
+    assert len(tokenizer) == len(tokens)
