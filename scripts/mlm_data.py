@@ -172,18 +172,22 @@ def split_held_out(texts, held_out_lines: int):
 # ---- 3. token streams --------------------------------------------------------------------------------------
 
 _CUT = None
+WORD_CUT_VERSION = 2  # 2: with the tokenizer's own jieba words (2026-12-03); 1: default jieba always
 
 
 def _jieba_word_starts(text: str, tokenizer=None) -> list[int]:
     """Where each jieba word of `text` starts: the unit of whole-word masking. A tokenizer with its own jieba
     words (`jieba_words=`, `jieba_dict.txt`) cuts with them, so a user word is masked whole, as it is tokenized."""
     segmenter = getattr(tokenizer, "_segmenter", None)
-    if segmenter is not None and segmenter.words:
-        normaliser = getattr(tokenizer, "_normalizer", None)
-        norm = normaliser.normalize_str(text) if normaliser is not None else text  # what the tokenizer cuts
-        words = segmenter(norm if len(norm) == len(text) else text)  # offsets must stay those of `text`
-        if sum(map(len, words)) == len(text):
-            return list(itertools.accumulate((len(w) for w in words[:-1]), initial=0))
+    if segmenter is not None and segmenter.words and getattr(tokenizer, "_use_jieba", False):
+        norm = tokenizer._normalizer.normalize_str(text)  # what the tokenizer cuts (lower case, no control chars)
+        words = segmenter(norm)  # HMM off: the words cover `norm`
+        starts = list(itertools.accumulate((len(w) for w in words[:-1]), initial=0))  # in `norm`
+        if norm == text or (len(norm) == len(text) and norm == text.lower()):
+            return starts  # one-to-one, the tokenizer's own test
+        align = tokenizer._aligner.encode(text).offsets  # (len(norm),): the source span of each normalised char
+        if len(align) == len(norm) and sum(map(len, words)) == len(norm):
+            return sorted({align[k][0] for k in starts if k < len(norm)}) or [0]
     global _CUT
     if _CUT is None:  # created in each worker process (the segmenter itself does not pickle)
         from roformer_rope.tokenization.build_vocab import jieba_tokenize_fn
@@ -252,6 +256,7 @@ def stream_fingerprint(texts, tokenizer) -> str:
     h.update(texts._fingerprint.encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False).encode())
     h.update(json.dumps(sorted(map(str, getattr(tokenizer, "jieba_words", [])))).encode())
+    h.update(f"word-cut {WORD_CUT_VERSION}".encode())  # how word ids are cut: streams cut otherwise are redone
     # how text is cut before WordPiece (jieba or not, lower case): the same vocabulary can give other ids
     settings = {k: tokenizer.init_kwargs.get(k) for k in ("word_segmentation", "do_lower_case", "strip_accents")}
     h.update(json.dumps(settings, sort_keys=True).encode())

@@ -619,8 +619,15 @@ def test_finetune_table_reuses_a_run_only_when_its_flags_are_the_same(tmp_path, 
     assert len(before) == 1
     (model / "README.md").write_text("another card")  # the card is not the model
     assert keys() == before
+    (model / "modeling_roformer_rope.py").write_text("# copied code")  # nor is the copied code
+    assert keys() == before
+    scratch = table.run_key(["python", "--model", "models/x", "--random_init", "--output_dir", "o"])
     (model / "model.safetensors").write_bytes(b"weights 2")  # a model retrained into the same folder: not reused
     assert len(keys()) == 1 and keys() != before
+    # ... except by row (c), which reads only its config and tokenizer
+    assert table.run_key(["python", "--model", "models/x", "--random_init", "--output_dir", "o"]) == scratch
+    (model / "vocab.txt").write_text("[PAD]\n")
+    assert table.run_key(["python", "--model", "models/x", "--random_init", "--output_dir", "o"]) != scratch
 
 
 @pytest.mark.parametrize("flag", ["is_decoder", "unilm_mask"])

@@ -68,6 +68,21 @@ def test_whole_words_follow_the_tokenizers_own_jieba_words(tokenizer, tmp_path):
     assert [5, 6, 7, 8] in groups(own) and [5, 6] in groups(plain) and [7, 8] in groups(plain)
     last = list(range(10, len(tokens)))  # 'ab' + 客 + 人 (however 'ab' is pieced): one user word
     assert last in groups(own) and last not in groups(plain)
+    # Normalisation that is not one-to-one (a zero-width space removed, 'İ' lower-cased to two characters):
+    # the words are cut on the normalised text and mapped back to the source through the tokenizer's aligner.
+    for text, word in (("外国客人\u200bAB客人", "AB客人"), ("İ外国客人\u200b好", "外国客人")):
+        stream = stream_of([text], custom, tmp_path / f"norm{len(word)}")
+        offsets = custom(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        start = text.index(word)
+        inside = [i for i, (s, _) in enumerate(offsets) if start <= s < start + len(word)]
+        words = np.asarray(stream.words)
+        assert len(inside) >= 3 and len(set(words[inside].tolist())) == 1, (text, words.tolist())
+        assert words[inside[0]] not in words[[i for i in range(len(offsets)) if i not in inside]]
+    # A character-level tokenizer does not cut with its jieba words (it warns they are unused): nor does the masker.
+    chars = RoFormerRopeTokenizer(vocab_file=str(vocab), jieba_words=["外国客人"], word_segmentation="none")
+    by_chars = stream_of(["李鹏会见了外国客人。"], chars, tmp_path / "chars")
+    assert chars.convert_ids_to_tokens(np.asarray(by_chars.tokens[5:9]).tolist()) == ["外", "国", "客", "人"]
+    assert [5, 6] in groups(by_chars) and [7, 8] in groups(by_chars)
 
 
 def test_whole_word_masking_statistics(tokenizer, tmp_path):

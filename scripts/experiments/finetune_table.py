@@ -25,6 +25,7 @@ and the same model files (a content hash of the `--model` folder) are reused (re
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -107,16 +108,31 @@ def skip_reason(row: str, column: str, args: argparse.Namespace) -> str | None:
 COMMAND_FILE = "table_command.json"  # written into each run folder after its run
 
 
-def folder_fingerprint(folder: str) -> str:
-    """SHA-256 over the files of a model folder (weights, config, tokenizer, code; not its README): a model
-    retrained into the same path gives another fingerprint, so its old runs are not reused."""
-    digest, root = hashlib.sha256(), Path(folder)
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if path.is_file() and path.name != "README.md":
-            digest.update(path.name.encode() + b"\0")
-            with path.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack")
+
+
+def folder_fingerprint(folder: str, weights: bool = True) -> str:
+    """SHA-256 over what a model folder holds (config, tokenizer files and, unless `weights=False`, the weights;
+    not its README or copied code): a model retrained into the same path gives another fingerprint, so its old
+    runs are not reused. Row (c) (`--random_init`) reads only the config and the tokenizer."""
+    root = Path(folder)
+    files = [
+        path for path in (sorted(root.iterdir()) if root.is_dir() else [])
+        if path.is_file() and path.name != "README.md" and path.suffix != ".py"
+        and (weights or not path.name.endswith(WEIGHT_SUFFIXES))
+    ]  # fmt: skip
+    stats = tuple((str(path), path.stat().st_size, path.stat().st_mtime_ns) for path in files)
+    return _hash_files(stats)
+
+
+@functools.cache  # every cell of a row has the same model: hashed once while its files stay
+def _hash_files(stats: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for name, _, _ in stats:
+        digest.update(Path(name).name.encode() + b"\0")
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return "sha256:" + digest.hexdigest()
 
 
@@ -130,7 +146,8 @@ def run_key(command: list[str]) -> str:
         if flag == "--output_dir" or previous == "--output_dir":
             continue
         if previous == "--model":
-            key += [os.path.relpath(os.path.abspath(os.path.expanduser(flag))), folder_fingerprint(os.path.expanduser(flag))]
+            folder = os.path.abspath(os.path.expanduser(flag))
+            key += [os.path.relpath(folder), folder_fingerprint(folder, weights="--random_init" not in flags)]
         else:
             key.append(flag)
     return json.dumps(key)
