@@ -87,6 +87,7 @@ class ConversionResult:
     pooler: bool = False  # the checkpoint's bert/pooler/dense was converted
     reference_file: str | None = None
     reference_max_abs_diff: float | None = None  # vs the original code's outputs (--reference-outputs)
+    tokenizer: bool = True  # a tokenizer was written (the release had a vocab.txt)
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
@@ -181,7 +182,7 @@ def convert_checkpoint(
         result.reference_max_abs_diff = compare_with_reference(model, reference_outputs)
     with safe_output_folder(out_dir, overwrite=overwrite, sources=sources, what="--out") as tmp:
         model.save_pretrained(tmp)
-        save_tokenizer(folder, tmp, model_max_length=model.config.max_position_embeddings)
+        result.tokenizer = bool(save_tokenizer(folder, tmp, model_max_length=model.config.max_position_embeddings))
         result.max_abs_diff = verify_folder(model, tmp)
         # `--checkpoint .` names no release: its folder does (made absolute, symlinks kept as the user named them).
         # The card is published with --push-to-hub: it names the release (and the prefix file), never the local path.

@@ -91,6 +91,23 @@ def summarize_skipped(names: list[str]) -> str:
     return ", ".join(parts) or "none"
 
 
+_USAGE_WITH_TOKENIZER = """from transformers import AutoTokenizer, $auto_class
+
+tokenizer = AutoTokenizer.from_pretrained("$repo_id", trust_remote_code=True)
+model = $auto_class.from_pretrained("$repo_id", trust_remote_code=True).eval()
+inputs = tokenizer(["今天天气不错"], return_tensors="pt", return_token_type_ids=True)"""
+_USAGE_WITHOUT_TOKENIZER = """import torch
+from transformers import $auto_class
+
+model = $auto_class.from_pretrained("$repo_id", trust_remote_code=True).eval()
+input_ids = torch.tensor([[...]])  # (batch, length) ids of the release's own vocabulary: no tokenizer here
+inputs = {"input_ids": input_ids, "attention_mask": (input_ids != 0).long()}"""
+_NO_TOKENIZER_NOTE = """
+This folder holds **no tokenizer**: the converted release had no `vocab.txt`. Put the release's `vocab.txt` next
+to the weights and save `RoFormerRopeTokenizer(vocab_file="vocab.txt")` there (`save_pretrained`) to get one.
+"""
+
+
 def _usage_extra(kind: str, pooler: bool, encoder_only: bool) -> str:
     if encoder_only:
         return ""
@@ -116,7 +133,10 @@ def tf_card_values(result, config, source: str, title: str, repo_id: str | None,
         reference = "not checked at conversion (no `--reference-outputs`)"
     else:
         reference = f"reproduced to max abs diff {result.reference_max_abs_diff:.3g} (`{result.reference_file}`)"
+    usage = _USAGE_WITH_TOKENIZER if result.tokenizer else _USAGE_WITHOUT_TOKENIZER
     return {
+        "usage_code": string.Template(usage).safe_substitute(repo_id=repo, auto_class=auto),
+        "tokenizer_note": "" if result.tokenizer else _NO_TOKENIZER_NOTE,
         "usage_extra": string.Template(_usage_extra(result.kind, result.pooler, encoder_only)).safe_substitute(
             repo_id=repo
         ),

@@ -457,6 +457,32 @@ def test_optimizer_slots_and_next_sentence_head_are_skipped(tmp_path):
     assert "9 optimizer slot(s), `cls/seq_relationship/output_bias` (unused)" in card
 
 
+@pytest.mark.parametrize("kind", ["v1", "gpt", "sim"])
+def test_a_release_without_vocab_txt_gets_a_card_that_loads_no_tokenizer(tmp_path, kind):
+    """No vocab.txt: no tokenizer is written, so the card's usage must not call AutoTokenizer. Its code, with the
+    fixture's ids for the `...` placeholder, runs and reproduces the original code's outputs."""
+    folder = release_folder(tmp_path, kind, name=f"roformer-{kind}-release")
+    (folder / "vocab.txt").unlink()
+    result = convert_checkpoint(folder, tmp_path / "out")
+    assert not result.tokenizer and not (tmp_path / "out" / "tokenizer_config.json").exists()
+    card = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")
+    assert "AutoTokenizer" not in card and "no tokenizer" in card and "$" not in card
+    expected = expected_of(kind)
+    code = card.split("```python\n")[1].split("```")[0].replace('"PATH_OR_REPO_ID"', repr(str(tmp_path / "out")))
+    code = code.replace("[[...]]", repr(expected["long_input_ids"].astype(int).tolist()))
+    head, tail = code.split("outputs = model(**inputs)")
+    scope: dict = {}
+    exec(head, scope)
+    scope["inputs"]["token_type_ids"] = torch.from_numpy(expected["long_token_type_ids"]).long()  # the fixture's segments
+    exec("outputs = model(**inputs)" + tail.split("generated =")[0], scope)  # generation is not checked here
+    keep = torch.from_numpy(expected["long_input_ids"] != 0)
+    reference = torch.from_numpy(expected["long_lm_logits" if kind == "gpt" else "long_mlm_logits"])
+    torch.testing.assert_close(scope["outputs"].logits.detach()[keep], reference[keep], atol=ATOL, rtol=0)
+    if kind == "sim":  # the card's pooler lines
+        pooled = torch.from_numpy(expected["long_pooler"].reshape(scope["sentence_vector"].shape))
+        torch.testing.assert_close(scope["sentence_vector"].detach(), pooled, atol=ATOL, rtol=0)
+
+
 def test_encoder_only_release_converts_to_the_bare_model(tmp_path):
     variables = {k: v for k, v in tf_variables("sim").items() if not k.startswith("cls/")}
     # named like the Sim releases: a pooler alone is v1 + tanh pooler (test_pooler_without_sim_name_...)
