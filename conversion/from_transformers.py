@@ -67,7 +67,7 @@ _CONFIG_FIELDS = (
     "vocab_size embedding_size hidden_size num_hidden_layers num_attention_heads intermediate_size hidden_act "
     "hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings type_vocab_size initializer_range "
     "layer_norm_eps pad_token_id bos_token_id eos_token_id rotary_value is_decoder use_cache tie_word_embeddings "
-    "id2label label2id problem_type return_dict"
+    "id2label label2id problem_type return_dict output_hidden_states output_attentions"
 ).split()
 
 __all__ = [
@@ -106,8 +106,9 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
     return converted
 
 
-def convert_config(builtin_config) -> RoFormerRopeConfig:  # noqa: F821
-    """A `RoFormerRopeConfig` equivalent to a built-in `RoFormerConfig` (object or dict)."""
+def convert_config(builtin_config, class_name: str | None = None) -> RoFormerRopeConfig:  # noqa: F821
+    """A `RoFormerRopeConfig` equivalent to a built-in `RoFormerConfig` (object or dict) of the built-in class
+    `class_name` (default: the config's `architectures`)."""
     from modeling_roformer_rope import RoFormerRopeConfig
 
     source = builtin_config if isinstance(builtin_config, dict) else builtin_config.to_dict()
@@ -116,8 +117,25 @@ def convert_config(builtin_config) -> RoFormerRopeConfig:  # noqa: F821
             f"expected a built-in RoFormer config (model_type 'roformer'), got {source['model_type']!r}"
         )
     fields = {key: source[key] for key in _CONFIG_FIELDS if key in source}
+    if "RoFormerForMultipleChoice" in ([class_name] if class_name else source.get("architectures") or []):
+        summary_dropout = _summary_dropout(source)
+        if summary_dropout:
+            fields["classifier_dropout"] = summary_dropout
     architectures = [ARCHITECTURES.get(a, a) for a in source.get("architectures") or []]
     return RoFormerRopeConfig(**fields, summary_type=_summary_type(source), architectures=architectures or None)
+
+
+def _summary_dropout(source: dict) -> float:
+    """The built-in multiple-choice summary's dropout as one rate: without a projection or activation between them,
+    `summary_first_dropout` p1 then `summary_last_dropout` p2 keep an element with probability (1 - p1)(1 - p2)
+    and scale it by the inverse, which is one dropout of rate 1 - (1 - p1)(1 - p2): our head's `classifier_dropout`."""
+    keep = 1.0
+    for key in ("summary_first_dropout", "summary_last_dropout"):
+        rate = source.get(key) or 0.0
+        if not 0.0 <= rate < 1.0:
+            raise ConversionError(f"config {key}={rate!r}: a dropout rate must be in [0, 1)")
+        keep *= 1.0 - rate
+    return 1.0 - keep
 
 
 def _summary_type(source: dict) -> str:
@@ -151,9 +169,11 @@ def model_class_for(builtin_class_name: str):
 
 def convert_model(builtin_model: torch.nn.Module) -> torch.nn.Module:
     """Convert an in-memory built-in `RoFormer*` model to the matching `RoFormerRope*` model (strict load)."""
-    config = convert_config(builtin_model.config)
+    config = convert_config(builtin_model.config, type(builtin_model).__name__)
     config.architectures = [ARCHITECTURES.get(type(builtin_model).__name__, type(builtin_model).__name__)]
     ours = model_class_for(type(builtin_model).__name__)(config)
+    if config.output_attentions:  # transformers v5 refuses to save it with sdpa; the built-in is eager-only anyway
+        ours.set_attn_implementation("eager")
     state_dict = builtin_model.state_dict()
     is_base = builtin_model.base_model is builtin_model
     if is_base:  # the bare model's keys carry no `roformer.` prefix; the table is written with it

@@ -1,5 +1,6 @@
 """Converted built-in transformers RoFormer models must give the built-in's outputs (atol 1e-5)."""
 
+import json
 import subprocess
 import sys
 
@@ -209,6 +210,22 @@ def test_convert_hf_cli_writes_a_loadable_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builtin", "converted"]
 
 
+@pytest.mark.parametrize("length, bound", [(512, 1e-5), (4096, 1e-4)])
+def test_long_inputs_differ_only_by_the_float32_rotary_angles(length, bound):
+    """Our angles m·θ are formed in float32 (as the original code forms them); the built-in's sin/cos table in
+    float64, then rounded. The gap grows with the position: hidden states at 4,096 tokens (64-dim heads) stay
+    within 1e-4 (README quotes the printed figures); a real mapping slip would be O(1)."""
+    builtin = builtin_model(
+        "RoFormerModel", hidden_size=128, num_attention_heads=2, intermediate_size=64, max_position_embeddings=length
+    )
+    ours = convert_model(builtin).eval()
+    ids = torch.randint(5, 99, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(input_ids=ids).last_hidden_state - builtin(input_ids=ids).last_hidden_state).abs().max().item()
+    MAX_DIFFS[f"long {length} hidden_states"] = diff
+    assert diff < bound
+
+
 def test_report_max_differences():
     """Printed with `pytest tests/test_parity_builtin.py -s`: the figures quoted in the README."""
     for name, diff in sorted(MAX_DIFFS.items()):
@@ -224,3 +241,41 @@ def test_multiple_choice_summary_type_is_carried_over_or_refused():
         convert_model(builtin_model("RoFormerForMultipleChoice", summary_type="mean"))
     with pytest.raises(ConversionError, match="summary_use_proj=True"):
         convert_model(builtin_model("RoFormerForMultipleChoice", summary_use_proj=True))
+
+
+def test_multiple_choice_summary_dropouts_become_one_classifier_dropout():
+    """The built-in summary's `summary_first_dropout` then `summary_last_dropout` (nothing between them) act as one
+    dropout of rate 1 - (1 - p1)(1 - p2); they used to be dropped, so a converted model fine-tuned without them.
+    Checked by statistics on the summary vector the classifier sees, in train mode: zeroed share and mean scale."""
+    builtin = builtin_model("RoFormerForMultipleChoice", summary_first_dropout=0.3, summary_last_dropout=0.5)
+    ours = convert_model(builtin)
+    assert ours.config.classifier_dropout == pytest.approx(1 - 0.7 * 0.5)
+    assert convert_model(builtin_model("RoFormerForMultipleChoice")).config.classifier_dropout is None
+    assert convert_model(builtin_model("RoFormerForSequenceClassification", summary_first_dropout=0.3)).config.classifier_dropout is None
+    x = torch.ones(20_000, 16)
+    torch.manual_seed(0)
+    seen = {"built-in": builtin.train().sequence_summary.last_dropout(builtin.sequence_summary.first_dropout(x)),
+            "ours": ours.train().dropout(x)}  # fmt: skip
+    for name, out in seen.items():
+        assert (out == 0).float().mean().item() == pytest.approx(0.65, abs=0.01), name
+        assert out.mean().item() == pytest.approx(1.0, abs=0.03), name
+    config = json.loads(json.dumps(ours.config.to_dict()))
+    assert config["classifier_dropout"] == pytest.approx(0.65)
+    with pytest.raises(ConversionError, match="summary_last_dropout=1.0"):
+        convert_model(builtin_model("RoFormerForMultipleChoice", summary_last_dropout=1.0))
+
+
+def test_output_hidden_states_and_attentions_defaults_are_carried_over(tmp_path):
+    """A built-in config with `output_hidden_states` / `output_attentions` true returns them by default; the
+    converted folder did not (both were dropped from the config)."""
+    builtin = builtin_model("RoFormerForMaskedLM", output_hidden_states=True, output_attentions=True)
+    builtin.save_pretrained(tmp_path / "builtin")
+    convert_folder(tmp_path / "builtin", tmp_path / "ours")
+    ours = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "ours", trust_remote_code=True, attn_implementation="eager")
+    inputs = padded_batch()
+    with torch.no_grad():
+        got, want = ours(**inputs), builtin(**inputs)
+    assert got.hidden_states is not None and len(got.hidden_states) == len(want.hidden_states)
+    assert got.attentions is not None and len(got.attentions) == len(want.attentions)
+    for a, b in zip(got.hidden_states + got.attentions, want.hidden_states + want.attentions):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
