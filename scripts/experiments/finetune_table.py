@@ -19,7 +19,8 @@ runs each of them and reports the test score of the one with the best mean dev s
 
 Each run is `python -m roformer_rope.scripts.finetune TASK ...` in its own process, writing
 `OUT/runs/ROW-COLUMN-seedS/`; runs whose `finetune_results.json` exists and were made with the same flags
-and the same model files (a content hash of the `--model` folder) are reused (rerunning the command resumes; `--rerun` forces). The table goes to `OUT/table.md` and `OUT/table.json`.
+and the same model files (a content hash of the `--model` folder) are reused (rerunning the command resumes;
+`--rerun` forces). The table goes to `OUT/table.md` and `OUT/table.json`.
 """
 
 from __future__ import annotations
