@@ -326,6 +326,29 @@ class RoFormerRopeTokenizer(TokenizersBackend):
             self._encoder_key = key
         return self._matchers
 
+    def _normalize(self, text: str) -> tuple[str, list | None]:
+        """(normalised `text`, `align`): `align[k]` is the source span of `norm[k]`, None when one-to-one."""
+        norm = self._normalizer.normalize_str(text)
+        if norm == text or (len(norm) == len(text) and norm == text.lower()):
+            return norm, None  # one-to-one: positions in `norm` are positions in `text`
+        return norm, self._aligner.encode(text).offsets
+
+    def jieba_word_starts(self, text: str) -> list[int] | None:
+        """Where each jieba word of `text` starts (offsets in `text`), cut as this tokenizer cuts it: normalised,
+        with its user words. None for a tokenizer that does not cut with jieba (`word_segmentation="none"`).
+        Used as the unit of whole-word masking; added tokens are not cut out first."""
+        if not self._use_jieba:
+            return None
+        norm, align = self._normalize(text)
+        words = self._segmenter(norm)  # HMM off: the words cover `norm`
+        starts, at = [], 0  # in `norm`
+        for word in words:
+            starts.append(at)
+            at += len(word)
+        if align is None:
+            return starts
+        return sorted({align[k][0] for k in starts if k < len(norm)}) or [0]
+
     def _segment_span(
         self,
         text: str,
@@ -339,11 +362,7 @@ class RoFormerRopeTokenizer(TokenizersBackend):
         """Append the pieces of `text[begin:end]` (normalised, then added tokens with
         `normalized=True` cut out, the rest segmented) and their spans in `text`."""
         chunk = text[begin:end]
-        norm = self._normalizer.normalize_str(chunk)
-        if norm == chunk or (len(norm) == len(chunk) and norm == chunk.lower()):
-            align = None  # one-to-one: positions in `norm` are positions in `chunk`
-        else:
-            align = self._aligner.encode(chunk).offsets
+        norm, align = self._normalize(chunk)
         if matcher is None:
             self._segment_words(norm, 0, len(norm), begin, align, out, spans)
             return

@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -178,16 +177,10 @@ WORD_CUT_VERSION = 2  # 2: with the tokenizer's own jieba words (2026-12-03); 1:
 def _jieba_word_starts(text: str, tokenizer=None) -> list[int]:
     """Where each jieba word of `text` starts: the unit of whole-word masking. A tokenizer with its own jieba
     words (`jieba_words=`, `jieba_dict.txt`) cuts with them, so a user word is masked whole, as it is tokenized."""
-    segmenter = getattr(tokenizer, "_segmenter", None)
-    if segmenter is not None and segmenter.words and getattr(tokenizer, "_use_jieba", False):
-        norm = tokenizer._normalizer.normalize_str(text)  # what the tokenizer cuts (lower case, no control chars)
-        words = segmenter(norm)  # HMM off: the words cover `norm`
-        starts = list(itertools.accumulate((len(w) for w in words[:-1]), initial=0))  # in `norm`
-        if norm == text or (len(norm) == len(text) and norm == text.lower()):
-            return starts  # one-to-one, the tokenizer's own test
-        align = tokenizer._aligner.encode(text).offsets  # (len(norm),): the source span of each normalised char
-        if len(align) == len(norm) and sum(map(len, words)) == len(norm):
-            return sorted({align[k][0] for k in starts if k < len(norm)}) or [0]
+    if getattr(tokenizer, "jieba_words", None):  # the tokenizer's own cut (None: it does not cut with jieba)
+        starts = tokenizer.jieba_word_starts(text)
+        if starts is not None:
+            return starts
     global _CUT
     if _CUT is None:  # created in each worker process (the segmenter itself does not pickle)
         from roformer_rope.tokenization.build_vocab import jieba_tokenize_fn
