@@ -229,6 +229,13 @@ class TokenStream:
             h.update(np.ascontiguousarray(array))  # the buffer itself, read in place (no copy of a memory map)
         return h.hexdigest()[:16]
 
+    def words_digest(self) -> str:
+        """Identifies the stream's jieba word cut (its word ids), which decides whole-word masks: the same tokens
+        cut into other words (another jieba dictionary or word-cut version) give a resumed run other masks."""
+        h = hashlib.sha256()
+        h.update(np.ascontiguousarray(self.words))
+        return h.hexdigest()[:16]
+
     @classmethod
     def load(cls, folder: Path) -> TokenStream:
         return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("tokens", "words", "line_starts")))

@@ -208,9 +208,10 @@ class Run:
                 ]
                 train_tokens, held_out_tokens = (stream.num_tokens for stream in streams)
                 digests = {"train": streams[0].digest(), "held_out": streams[1].digest()} if self.saved else None
+                words = {"train": streams[0].words_digest(), "held_out": streams[1].words_digest()} if self.saved else None
                 del streams  # memory-mapped from the temporary folders, which are renamed at the end
                 if self.saved is not None:
-                    self.check_resumed_data(train_tokens, held_out_tokens, digests)
+                    self.check_resumed_data(train_tokens, held_out_tokens, digests, words)
         barrier()
         self.tokenizer = self.load_tokenizer(tok_dir)
         self.train_stream = mlm_data.TokenStream.load(data_dir / "train")
@@ -243,10 +244,21 @@ class Run:
                     "vocabulary cover the corpus?", 100 * share, split, unk,
                 )  # fmt: skip
 
-    def check_resumed_data(self, train_tokens: int, held_out_tokens: int, digests: dict | None = None) -> None:
+    def check_resumed_data(
+        self, train_tokens: int, held_out_tokens: int, digests: dict | None = None, words: dict | None = None
+    ) -> None:
         saved = self.saved.get("data_tokens")
         if saved is None:  # a checkpoint from before `data_tokens`: the fingerprint check after loading decides
             return
+        saved_words = self.saved.get("word_digest")  # none in a checkpoint from before 2026-12-04
+        if words and saved_words and saved_words != words:
+            # The same tokens cut into other jieba words (another dictionary, a new word-cut version): training
+            # goes on, but its whole-word masks differ from those an uninterrupted run would have drawn.
+            logger.warning(
+                "--resume: checkpoint %s was made with another jieba word cut of the corpus (other jieba words or "
+                "word-cut version): the run goes on, but its whole-word masks differ from an uninterrupted run's",
+                self.resume_tag,
+            )
         saved_digests = self.saved.get("data_digest")  # none in a checkpoint from before 2026-12-02
         if (saved["train"], saved["held_out"]) == (train_tokens, held_out_tokens) and digests and saved_digests:
             if saved_digests != digests:
@@ -268,6 +280,13 @@ class Run:
         if getattr(self, "_data_digest", None) is None:
             self._data_digest = {"train": self.train_stream.digest(), "held_out": self.held_out_stream.digest()}
         return self._data_digest
+
+    def word_digest(self) -> dict:
+        """The token streams' word-cut digests (`TokenStream.words_digest`), computed once."""
+        if getattr(self, "_word_digest", None) is None:
+            streams = {"train": self.train_stream, "held_out": self.held_out_stream}
+            self._word_digest = {split: stream.words_digest() for split, stream in streams.items()}
+        return self._word_digest
 
     def corpus_name(self) -> str:
         if not self.args.corpus:
@@ -431,6 +450,7 @@ class Run:
             "fingerprint": self.fingerprint(),
             "data_tokens": {"train": self.train_stream.num_tokens, "held_out": self.held_out_stream.num_tokens},
             "data_digest": self.data_digest(),
+            "word_digest": self.word_digest(),
             "stage_table": self.stage_table,
             "info": {
                 "architecture": self.spec["architecture"],

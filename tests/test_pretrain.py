@@ -594,6 +594,37 @@ def test_a_resume_on_other_lines_with_as_many_tokens_is_refused(finished):
         Run.check_resumed_data(run, *counts, {"train": swapped.digest(), "held_out": saved["data_digest"]["held_out"]})
 
 
+def test_a_resume_with_another_word_cut_warns_that_its_masks_differ(finished, caplog):
+    """The checkpoint records its streams' word-cut digests: the same tokens cut into other jieba words (another
+    dictionary, a new word-cut version) resume, since the data is the same, but with a warning that whole-word masks
+    now differ from an uninterrupted run's. The same cut resumes silently; a checkpoint without the digest too."""
+    import logging
+    from types import SimpleNamespace
+
+    from roformer_rope.scripts.mlm_data import TokenStream
+    from roformer_rope.scripts.pretrain import Run
+
+    latest = (finished / "checkpoints" / "latest").read_text().strip()
+    saved = json.loads((finished / "checkpoints" / latest / "run_state.json").read_text())
+    streams = {split: TokenStream.load(finished / "data" / split) for split in ("train", "held_out")}
+    assert saved["word_digest"] == {split: stream.words_digest() for split, stream in streams.items()}
+    counts = saved["data_tokens"]["train"], saved["data_tokens"]["held_out"]
+    recut = TokenStream(*(np.array(getattr(streams["train"], name)) for name in ("tokens", "words", "line_starts")))
+    recut.words[1:] = recut.words[:-1].copy()  # the first two tokens one word: same tokens, another cut
+    recut.words[0] = recut.words[1]
+    assert recut.digest() == streams["train"].digest() and recut.words_digest() != streams["train"].words_digest()
+    run = SimpleNamespace(saved=saved, resume_tag=latest)
+    with caplog.at_level(logging.WARNING, logger="roformer_rope.pretrain"):
+        Run.check_resumed_data(run, *counts, dict(saved["data_digest"]), dict(saved["word_digest"]))
+        assert not caplog.records  # the same cut: silent
+        other = {"train": recut.words_digest(), "held_out": saved["word_digest"]["held_out"]}
+        Run.check_resumed_data(SimpleNamespace(saved={**saved, "word_digest": None}, resume_tag=latest), *counts,
+                               dict(saved["data_digest"]), other)  # fmt: skip
+        assert not caplog.records  # a checkpoint from before the word digest: nothing to compare
+        Run.check_resumed_data(run, *counts, dict(saved["data_digest"]), other)
+    assert len(caplog.records) == 1 and "another jieba word cut" in caplog.text and latest in caplog.text
+
+
 def test_init_from_a_bf16_folder_trains_in_the_run_precision(finished, tmp_path):
     """model.init_from a folder saved in bf16, default precision: the run trains (and exports) float32 under ZeRO-2
     as under ZeRO-3 (transformers' from_pretrained keeps a folder's dtype: ZeRO-1/2 trained it in bf16 while the
