@@ -250,7 +250,7 @@ class Run:
         saved = self.saved.get("data_tokens")
         if saved is None:  # a checkpoint from before `data_tokens`: the fingerprint check after loading decides
             return
-        saved_words = self.saved.get("word_digest")  # none in a checkpoint from before 2026-12-04
+        saved_words = self.saved.get("word_digest")  # none in a checkpoint from before 2026-12-03 (evening)
         if words and saved_words and saved_words != words:
             # The same tokens cut into other jieba words (another dictionary, a new word-cut version): training
             # goes on, but its whole-word masks differ from those an uninterrupted run would have drawn.
