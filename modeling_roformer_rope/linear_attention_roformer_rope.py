@@ -311,66 +311,75 @@ def _causal_attention(
     for (k, c), qf3, kf3, v3, qr3, kr3, ls in zip(plan, qf_b, kf_b, v_b, qr_b, kr_b, ls_b):
         stop = start + k * c
         lower = torch.ones(k, k, dtype=torch.bool, device=qf.device).tril(-1)  # (k, k) chunk i' < chunk i
-        kfw, krw = kf3, kr3  # keys as summed for later chunks
-        if log_scale is None:
-            earlier = lower.to(qf.dtype).expand(BH, k, k)  # (B·H, k, k)
-            carry = pair = cross = None  # no references: every sum enters unscaled
-        else:
-            # References (detached: they cancel between numerator and denominator). Query i is referenced to the
-            # running maximum of the key log scales up to and including itself, as the step form is, so a later
-            # key never changes (nor underflows) an earlier query's weights.
-            ls = ls.reshape(BH, k, c)  # (B·H, k, c)
-            fixed = ls.detach()
-            upto = torch.cummax(torch.maximum(fixed.amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k) ≤ chunk end
-            before = torch.cat([c_carry[:, None], upto[:, :-1]], dim=1)  # (B·H, k) of all keys before the chunk
-            own = torch.maximum(torch.cummax(fixed, dim=-1).values, before[..., None])  # (B·H, k, c) per query
-            # keys summed for later chunks: referenced to their chunk's end (≤ any later query's reference)
-            weight = torch.exp(ls - upto[..., None]).reshape(BH * k, c, 1)
-            kfw = kf3 * weight
-            krw = kr3 * weight if rotated else kfw
-            if _needs_query_references(upto, own):
-                # within the chunk, key j seen from query i ≥ j: exp(ls_j − own_i) ≤ 1 (j > i clamped, then masked)
-                pair = torch.exp((ls[:, :, None, :] - own[..., None]).clamp(max=0)).reshape(BH * k, c, c)
-                cross = torch.exp(before[..., None] - own).reshape(BH * k, c, 1)  # the sums before a chunk, per query
-                target = before  # earlier chunks' sums referenced to what precedes the chunk
+        carried = kv, z, c_carry  # the sums before the block, for a second pass
+        per_query = None  # decided from the block's log scales (FAVOR+ only)
+        while True:
+            kv, z, c_carry = carried
+            kfw, krw = kf3, kr3  # keys as summed for later chunks
+            if log_scale is None:
+                earlier = lower.to(qf.dtype).expand(BH, k, k)  # (B·H, k, k)
+                carry = pair = cross = None  # no references: every sum enters unscaled
             else:
-                # every query of the chunk referenced to the chunk's end instead: a factor common to its numerator and
-                # denominator, so the same output, without the c×c factor (exact while no weight underflows there)
-                pair = cross = None
-                target = upto
-            # sums of chunk i' < i: × exp(upto_i' − target_i) ≤ 1; carried sums × exp(c' − target)
-            earlier = torch.where(lower, torch.exp((upto[:, None, :] - target[:, :, None]).clamp(max=0)), 0)
-            carry = torch.exp(c_carry[:, None] - target)  # (B·H, k)
-            last = torch.exp(target[:, -1] - upto[:, -1])[:, None]  # (B·H, 1) the last chunk's prefix → its end
-            c_carry = upto[:, -1]
+                # References (detached: they cancel between numerator and denominator). Query i is referenced to the
+                # running maximum of the key log scales up to and including itself, as the step form is, so a later
+                # key never changes (nor underflows) an earlier query's weights.
+                ls = ls.reshape(BH, k, c)  # (B·H, k, c)
+                fixed = ls.detach()
+                upto = torch.cummax(torch.maximum(fixed.amax(dim=-1), c_carry[:, None]), dim=1).values  # (B·H, k) ≤ chunk end
+                before = torch.cat([c_carry[:, None], upto[:, :-1]], dim=1)  # (B·H, k) of all keys before the chunk
+                own = torch.maximum(torch.cummax(fixed, dim=-1).values, before[..., None])  # (B·H, k, c) per query
+                # keys summed for later chunks: referenced to their chunk's end (≤ any later query's reference)
+                weight = torch.exp(ls - upto[..., None]).reshape(BH * k, c, 1)
+                kfw = kf3 * weight
+                krw = kr3 * weight if rotated else kfw
+                if per_query is None:
+                    per_query = _needs_query_references(upto, own)
+                if per_query:
+                    # within the chunk, key j seen from query i ≥ j: exp(ls_j − own_i) ≤ 1 (j > i clamped, then masked)
+                    pair = torch.exp((ls[:, :, None, :] - own[..., None]).clamp(max=0)).reshape(BH * k, c, c)
+                    cross = torch.exp(before[..., None] - own).reshape(BH * k, c, 1)  # the sums before a chunk, per query
+                    target = before  # earlier chunks' sums referenced to what precedes the chunk
+                else:
+                    # every query of the chunk referenced to the chunk's end instead: a factor common to its numerator and
+                    # denominator, so the same output, without the c×c factor (exact while no weight underflows there)
+                    pair = cross = None
+                    target = upto
+                # sums of chunk i' < i: × exp(upto_i' − target_i) ≤ 1; carried sums × exp(c' − target)
+                earlier = torch.where(lower, torch.exp((upto[:, None, :] - target[:, :, None]).clamp(max=0)), 0)
+                carry = torch.exp(c_carry[:, None] - target)  # (B·H, k)
+                last = torch.exp(target[:, -1] - upto[:, -1])[:, None]  # (B·H, 1) the last chunk's prefix → its end
+                c_carry = upto[:, -1]
 
-        # within each chunk: Σ_{j ≤ i} (R_iφ(q_i))ᵀ(R_jφ(k_j)) v_j, the masked c×c product
-        if pair is None:
-            scores = torch.bmm(qr3, krw.transpose(1, 2)).tril_()  # (B·H·k, c, c) j ≤ i
-        else:
-            scores = (torch.bmm(qr3, kr3.transpose(1, 2)) * pair).tril_()
-        num = torch.bmm(scores, v3)  # (B·H·k, c, Dv)
-        # across chunks: S before a chunk = carried sums + earlier chunks of this block
-        kv_chunk = torch.bmm(krw.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
-        kv_carried = kv[:, None] if carry is None else carry[..., None] * kv[:, None]  # (B·H, 1 or k, F·Dv)
-        kv_prev = torch.baddbmm(kv_carried, earlier, kv_chunk)  # (B·H, k, F·Dv)
-        if cross is None:
-            num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
-        else:
-            num = num + cross * torch.bmm(qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
-        kv = kv_chunk[:, -1] + (kv_prev[:, -1] if log_scale is None else kv_prev[:, -1] * last)  # (B·H, F·Dv) at c_carry
+            # within each chunk: Σ_{j ≤ i} (R_iφ(q_i))ᵀ(R_jφ(k_j)) v_j, the masked c×c product
+            if pair is None:
+                scores = torch.bmm(qr3, krw.transpose(1, 2)).tril_()  # (B·H·k, c, c) j ≤ i
+            else:
+                scores = (torch.bmm(qr3, kr3.transpose(1, 2)) * pair).tril_()
+            num = torch.bmm(scores, v3)  # (B·H·k, c, Dv)
+            # across chunks: S before a chunk = carried sums + earlier chunks of this block
+            kv_chunk = torch.bmm(krw.transpose(1, 2), v3).reshape(BH, k, Fd * Dv)  # (B·H, k, F·Dv) Σ_j R_jφ(k_j)v_jᵀ
+            kv_carried = kv[:, None] if carry is None else carry[..., None] * kv[:, None]  # (B·H, 1 or k, F·Dv)
+            kv_prev = torch.baddbmm(kv_carried, earlier, kv_chunk)  # (B·H, k, F·Dv)
+            if cross is None:
+                num = torch.baddbmm(num, qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
+            else:
+                num = num + cross * torch.bmm(qr3, kv_prev.reshape(BH * k, Fd, Dv))  # (B·H·k, c, Dv)
+            kv = kv_chunk[:, -1] + (kv_prev[:, -1] if log_scale is None else kv_prev[:, -1] * last)  # (B·H, F·Dv) at c_carry
 
-        # denominator: φ(q_i)ᵀ Σ_{j ≤ i} φ(k_j), the same two parts with unrotated features
-        if rotated and pair is None:
-            scores = torch.bmm(qf3, kfw.transpose(1, 2)).tril_()  # (B·H·k, c, c)
-        elif rotated:
-            scores = (torch.bmm(qf3, kf3.transpose(1, 2)) * pair).tril_()
-        z_chunk = kfw.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
-        z_carried = z[:, None] if carry is None else carry[..., None] * z[:, None]  # (B·H, 1 or k, F)
-        z_prev = torch.baddbmm(z_carried, earlier, z_chunk)  # (B·H, k, F)
-        prefix = torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
-        den = scores.sum(dim=-1) + (prefix if cross is None else cross[..., 0] * prefix)  # (B·H·k, c)
-        z = z_chunk[:, -1] + (z_prev[:, -1] if log_scale is None else z_prev[:, -1] * last)  # (B·H, F)
+            # denominator: φ(q_i)ᵀ Σ_{j ≤ i} φ(k_j), the same two parts with unrotated features
+            if rotated and pair is None:
+                scores = torch.bmm(qf3, kfw.transpose(1, 2)).tril_()  # (B·H·k, c, c)
+            elif rotated:
+                scores = (torch.bmm(qf3, kf3.transpose(1, 2)) * pair).tril_()
+            z_chunk = kfw.sum(dim=1).reshape(BH, k, Fd)  # (B·H, k, F)
+            z_carried = z[:, None] if carry is None else carry[..., None] * z[:, None]  # (B·H, 1 or k, F)
+            z_prev = torch.baddbmm(z_carried, earlier, z_chunk)  # (B·H, k, F)
+            prefix = torch.einsum("ncf,nf->nc", qf3, z_prev.reshape(BH * k, Fd))  # (B·H·k, c)
+            den = scores.sum(dim=-1) + (prefix if cross is None else cross[..., 0] * prefix)  # (B·H·k, c)
+            z = z_chunk[:, -1] + (z_prev[:, -1] if log_scale is None else z_prev[:, -1] * last)  # (B·H, F)
+            if per_query is not False or not _shortcut_underflows(den, upto, own):
+                break
+            per_query = True  # the chunk reference pushed a small denominator toward the underflow: redo per query
 
         num, den = num.reshape(B, H, k * c, Dv), den.reshape(B, H, k * c)
         if torch.is_grad_enabled() and (num.requires_grad or den.requires_grad):
@@ -385,11 +394,17 @@ def _causal_attention(
     return out, LinearAttentionState(kv.reshape(B, H, Fd, Dv), z.reshape(B, H, Fd), c_carry.reshape(B, H))
 
 
-# Below this gap between a chunk's reference (its running maximum) and a query's own, referencing the query to
-# the chunk's reference keeps its largest weight ≥ e^-30 and its denominator far above the division guard: the same output as the
-# per-query references, without their c×c factor. A gap this large needs keys whose log scales differ by > 30
-# inside one chunk (norms very unequal).
+# Below this gap between a chunk's reference (its running maximum) and a query's own, a block first references
+# every query to its chunk's reference: the same output as the per-query references (a factor exp(own − ref)
+# common to numerator and denominator), without their c×c factor. A gap this large needs keys whose log scales
+# differ by > 30 inside one chunk (norms very unequal). The factor also scales the denominator down by up to e^-30:
+# one that was small to begin with (near-opposite query and key of large norms; any normal float32 must divide)
+# can then fall below the division guard, so such a block is redone with per-query references
+# (`_shortcut_underflows`).
 _CHUNK_REFERENCE_MAX_GAP = 30.0
+# A denominator of the shortcut below tiny · 2^26 (float32: 7.9e-31) is redone per query: above it, any term of the
+# sum that the shortcut made subnormal weighs < 2^-26 of the sum, below float32's rounding.
+_SHORTCUT_DENOMINATOR_MARGIN = 2.0**26
 
 
 def _needs_query_references(upto: torch.Tensor, own: torch.Tensor) -> bool:
@@ -398,6 +413,15 @@ def _needs_query_references(upto: torch.Tensor, own: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True
     return bool((upto[..., None] - own).amax() > _CHUNK_REFERENCE_MAX_GAP)
+
+
+def _shortcut_underflows(den: torch.Tensor, upto: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether a denominator of the chunk-reference pass (den (B·H·k, c)) fell so low that rounding near the
+    underflow, or the division guard, changes it, for a query whose reference the shortcut moved (own < upto: a
+    query already at its chunk's reference has the same denominator either way, e.g. a masked one at 0)."""
+    moved = (upto[..., None] > own).reshape(den.shape)  # (B·H·k, c)
+    low = den < torch.finfo(den.dtype).tiny * _SHORTCUT_DENOMINATOR_MARGIN
+    return bool((low & moved).any())
 
 
 def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float | None, out: torch.Tensor) -> torch.Tensor:

@@ -370,6 +370,41 @@ def test_favor_plus_chunk_references_equal_per_query_references(rotated, monkeyp
     torch.testing.assert_close(fast_grad, exact_grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_size", [2, 64])
+def test_favor_plus_a_later_key_never_underflows_an_earlier_small_denominator(chunk_size, monkeypatch):
+    """A query nearly opposite its only key, both of norm 40: φ(q)ᵀφ(k) ≈ 1e-33 after stabilisation, a normal
+    float32 that must divide. A later key of the same chunk, 20-30 above it in log scale, used to let the chunk
+    reference scale that denominator by e^-28 to below the division guard: query 0 output 0 instead of v_0 in the
+    parallel form (training) while step-by-step generation gave v_0. Now the block is redone per query."""
+    D, M = 16, 16
+    W = la.gaussian_orthogonal_random_matrix(M, D, generator=torch.Generator().manual_seed(0))
+    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(1)), dim=0)
+    k0 = 40.0 * u
+    log_scale = lambda x: la.favor_plus_features(x[None, None, None], W)[1].item()  # noqa: E731
+    shrink = next(s for s in torch.linspace(0, 1, 2001).tolist() if 20 < log_scale(s * k0) - log_scale(k0) < 30)
+    q = torch.stack([-k0, torch.randn(D, generator=torch.Generator().manual_seed(2))])[None, None]  # (1, 1, 2, D)
+    k = torch.stack([k0, shrink * k0])[None, None]
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])[None, None]  # (1, 1, 2, 2)
+    qf, _ = la.favor_plus_features(q, W)
+    kf, k_log = la.favor_plus_features(k, W)
+    first = (qf[0, 0, 0] * kf[0, 0, 0]).sum().item()
+    assert torch.finfo(torch.float32).tiny < first < 1e-30  # small, but a normal float32
+    out = la.linear_attention(qf, kf, v, k_log_scale=k_log, causal=True, chunk_size=chunk_size)  # (1, 2, 1, 2)
+    torch.testing.assert_close(out[0, 0, 0], torch.tensor([1.0, 2.0]))  # v_0: the only key query 0 sees
+    step, state = la.linear_attention_step(qf[:, :, :1], kf[:, :, :1], v[:, :, :1], None, k_log_scale=k_log[:, :, :1])
+    second, _ = la.linear_attention_step(qf[:, :, 1:], kf[:, :, 1:], v[:, :, 1:], state, k_log_scale=k_log[:, :, 1:])
+    torch.testing.assert_close(out, torch.cat([step, second], dim=1), atol=1e-5, rtol=1e-5)
+    # ordinary inputs keep the one-reference-per-chunk pass: checked, and not redone
+    checks = []
+    underflows = la._shortcut_underflows
+    monkeypatch.setattr(la, "_shortcut_underflows", lambda *args: checks.append(underflows(*args)) or checks[-1])
+    q2, k2, v2 = random_inputs(B=1, H=2, T=40, D=D, Dv=2, seed=5, scale=1.5)
+    qf2, _ = la.favor_plus_features(q2.float(), W)
+    kf2, k_log2 = la.favor_plus_features(k2.float(), W)
+    la.linear_attention(qf2, kf2, v2.float(), k_log_scale=k_log2, causal=True, chunk_size=chunk_size)
+    assert checks and not any(checks)
+
+
 def mean_error(nb_features: int, causal: bool, placement: str, seeds=range(3)) -> float:
     """Relative error of FAVOR+ attention vs its exact target, averaged over projection seeds.
 
