@@ -103,7 +103,7 @@ def fuse_qkv(
             continue
         shapes = {w: tuple(state_dict[keys[w]].shape) for w in _PARTS}
         if len(set(shapes.values())) != 1:
-            raise ConversionError(f"{prefix}: query/key/value {leaf}s differ in shape: {shapes}")
+            raise ConversionError(f"{prefix}: query/key/value {leaf} shapes differ: {shapes}")
         key = f"{prefix}.qkv.{leaf}"
         fused[key] = torch.cat([state_dict[keys[w]] for w in _PARTS], dim=0)
         fused_sources[key] = _QKV_WORD.sub("{query,key,value}", sources[keys["query"]])

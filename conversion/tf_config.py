@@ -14,6 +14,14 @@ logger = logging.getLogger(__name__)
 
 # bert4keras activation names → transformers ACT2FN names (bert4keras' "gelu" is already the erf form).
 _ACTIVATIONS = {"gelu_erf": "gelu", "gelu_tanh": "gelu_new"}
+# The names bert4keras 0.10 resolves: keras 2.3's activations and the ones bert4keras registers. A checkpoint whose
+# config names another (`gelu_fast`, `silu`, ...) was not made by the original code: what function it meant is a guess.
+_BERT4KERAS_ACTIVATIONS = frozenset(
+    "softmax elu selu softplus softsign relu tanh sigmoid hard_sigmoid exponential linear "
+    "gelu gelu_erf gelu_tanh swish leaky_relu".split()
+)
+# bert4keras fields that change the attention's shapes; transformers' RoFormer has neither (heads are hidden/heads wide)
+_HEAD_SIZE_FIELDS = ("attention_head_size", "attention_key_size")
 _REQUIRED_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act"
 )  # bert4keras needs hidden_act too: guessing one would give a silently different model
@@ -55,6 +63,11 @@ def _activation(value: object, source: str) -> str:
 
     if not isinstance(value, str):
         raise ConversionError(f"{source}: hidden_act must be a string, got {value!r}")
+    if value not in _BERT4KERAS_ACTIVATIONS:
+        raise ConversionError(
+            f"{source}: hidden_act {value!r} is not an activation bert4keras knows (it knows "
+            f"{', '.join(sorted(_BERT4KERAS_ACTIVATIONS))}): the original code cannot have made this checkpoint"
+        )
     name = _ACTIVATIONS.get(value, value)
     if name not in ACT2FN:
         raise ConversionError(f"{source}: hidden_act {value!r} is not an activation transformers knows")
@@ -64,6 +77,20 @@ def _activation(value: object, source: str) -> str:
             "0.01: not convertible"
         )
     return name
+
+
+def _check_head_sizes(bert_config: dict, source: str) -> None:
+    """bert4keras reads `attention_head_size` (value width per head) and `attention_key_size` (query/key width),
+    both hidden_size / num_attention_heads by default. Another value is a model this architecture cannot hold."""
+    hidden, heads = bert_config.get("hidden_size"), bert_config.get("num_attention_heads")
+    default = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+    for name in _HEAD_SIZE_FIELDS:
+        value = bert_config.get(name)
+        if value is not None and value != default:
+            raise ConversionError(
+                f"{source}: {name} {value!r} differs from hidden_size / num_attention_heads ({hidden} / {heads}): "
+                "heads of another width than that are not convertible (transformers' RoFormer has no such field)"
+            )
 
 
 def build_config(
@@ -77,6 +104,7 @@ def build_config(
     from modeling_roformer_rope import RoFormerRopeConfig
 
     fields = {name: bert_config[name] for name in _REQUIRED_FIELDS + tuple(_OPTIONAL_FIELDS) if name in bert_config}
+    _check_head_sizes(bert_config, source)
     if "hidden_act" in fields:
         fields["hidden_act"] = _activation(fields["hidden_act"], source)
     if not kind.startswith("v2") and fields.get("type_vocab_size", 2) != 2:

@@ -777,18 +777,33 @@ def test_a_relative_checkpoint_inside_its_release_folder_keeps_the_folder_name_h
     [
         (lambda c: {**c, "hidden_act": "leaky_relu"}, "hidden_act 'leaky_relu' is bert4keras' leaky ReLU of slope 0.2"),
         (lambda c: {k: v for k, v in c.items() if k != "hidden_act"}, "missing required field(s) ['hidden_act']"),
+        (lambda c: {**c, "hidden_act": "gelu_fast"}, "hidden_act 'gelu_fast' is not an activation bert4keras knows"),
+        (lambda c: {**c, "attention_key_size": 32}, "attention_key_size 32 differs from hidden_size / num_attention_heads"),
+        (lambda c: {**c, "attention_head_size": 16}, "attention_head_size 16 differs from hidden_size / num_attention_heads"),
     ],
-    ids=["leaky-relu", "no-act"],
+    ids=["leaky-relu", "no-act", "unknown-act", "key-size", "head-size"],
 )
 def test_configs_bert4keras_reads_otherwise_are_refused(tmp_path, edit, message):
     """bert4keras' leaky_relu has slope 0.2 (transformers' 0.01), and it has no default activation: converting
-    either would give a silently different model."""
+    either would give a silently different model. An activation bert4keras does not know (`gelu_fast` is
+    transformers') means a config the original did not make. bert4keras reads `attention_key_size` /
+    `attention_head_size` (query/key and value widths per head): a value other than hidden / heads used to be
+    dropped, so a 32-wide key config converted a 64-wide checkpoint without a word."""
     folder = release_folder(tmp_path, "v1")
     config = json.loads((folder / "bert_config.json").read_text())
     (folder / "bert_config.json").write_text(json.dumps(edit(config)))
     with pytest.raises(ConversionError, match=re.escape(message)):
         convert_checkpoint(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_head_size_fields_at_their_default_are_accepted(tmp_path):
+    """`attention_key_size` / `attention_head_size` equal to hidden / heads are bert4keras' defaults spelled out."""
+    folder = release_folder(tmp_path, "v1")
+    config = json.loads((folder / "bert_config.json").read_text())
+    size = config["hidden_size"] // config["num_attention_heads"]
+    (folder / "bert_config.json").write_text(json.dumps({**config, "attention_key_size": size, "attention_head_size": size}))
+    assert convert_checkpoint(folder, tmp_path / "out").kind == "v1"
 
 
 def test_vocab_lines_end_at_newlines_only(tmp_path):
