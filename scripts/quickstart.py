@@ -8,11 +8,11 @@ Steps, all on the embedded data (People's Daily 1998 and product reviews, shippe
    pretrain a 4-layer, 256-wide RoFormer with DeepSpeed ZeRO-2 on CPU in two stages (128 then 512 tokens,
    whole-word masking), print the stage table (held-out MLM loss / accuracy after each stage), export the
    checkpoint to a Hub-ready folder (`quickstart-out/pretrain/model`);
-2. reload that folder in a fresh Python process whose path does not contain this repo
-   (`AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True)`) and fill masks in held-out
-   sentences with `pipeline("fill-mask")`;
-3. fine-tune it briefly on the review sentiment task (`roformer-rope finetune sentiment`) and print test
-   accuracy and a few predictions.
+2. fine-tune it briefly on the review sentiment task (`roformer-rope finetune sentiment`: a few test
+   predictions are printed as it ends);
+3. reload the exported folder in a fresh Python process whose path does not contain this repo
+   (`AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True)`), fill masks in held-out
+   sentences with `pipeline("fill-mask")`, and print them and the sentiment test accuracy.
 Everything is written into a temporary folder that replaces `--out` only when all steps succeeded.
 """
 
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         # the reload is a step too: --out is replaced only once the exported folder has loaded elsewhere
         exported = work / "pretrain" / "model"
         vocab = set((exported / "vocab.txt").read_text(encoding="utf-8").split())
-        held_out = people_daily_lines()[-1000:]  # the quickstart config's held-out slice: never trained on
+        held_out = people_daily_lines()[-1000:]  # the file's last lines: past the pretraining lines, never trained on
         reloaded = reload_and_fill(exported, masked_sentences(held_out, vocab, 6))
     model = out / "pretrain" / "model"
     print(f"\nreloaded in a fresh process as {reloaded['class']}; fill-mask on held-out sentences:")
