@@ -597,3 +597,23 @@ def test_favor_plus_tiny_normal_denominator_still_divides():
         torch.testing.assert_close(out, v, rtol=1e-6, atol=0)
     stepped, _ = la.linear_attention_step(qf, kf, v, k_log_scale=k_log)
     torch.testing.assert_close(stepped, v, rtol=1e-6, atol=0)
+
+
+def test_favor_error_experiment_falls_as_one_over_root_m(tmp_path, monkeypatch):
+    """`scripts/experiments/favor_error.py` (the README's FAVOR+ error figures): its error is measured against exact
+    softmax attention, so at small norms it must fall about as 1/√M (×16 features: ÷4), and it writes its table."""
+    import json
+    import sys
+    from pathlib import Path
+
+    experiments = Path(__file__).resolve().parents[1] / "scripts" / "experiments"
+    monkeypatch.syspath_prepend(str(experiments))
+    monkeypatch.delitem(sys.modules, "favor_error", raising=False)
+    import favor_error
+
+    args = ["--stds", "0.5", "--nb-features", "64", "1024", "--tokens", "64", "--seeds", "0", "1", "--out-dir", str(tmp_path)]
+    assert favor_error.main(args) == 0
+    rows = json.loads((tmp_path / "favor_error.json").read_text())["rows"]
+    few, many = (row["mean"] for row in rows)
+    assert 0.02 < many < few and 2.5 < few / many < 6.5  # √16 = 4, within two seeds' noise
+    assert "| 0.5 |" in (tmp_path / "favor_error.md").read_text()
