@@ -603,6 +603,9 @@ def test_finetune_table_reuses_a_run_only_when_its_flags_are_the_same(tmp_path, 
     argv = ["--columns", "sentiment", "--seeds", "0", "--budget", "reduced", "--out", str(tmp_path), "--scratch-hidden", "32"]
     assert table.main(argv) == 0 and len(ran) == 1
     assert table.main(argv) == 0 and len(ran) == 1  # same flags: reused
+    capsys.readouterr()
+    assert table.main([*argv, "--dry-run"]) == 0 and len(ran) == 1  # --dry-run says so, and runs nothing
+    assert capsys.readouterr().out.startswith(f"[reuse] {tmp_path}")
     assert table.main([*argv, "--extra", "--max_steps", "2"]) == 0 and len(ran) == 2  # other flags: run again
     assert "(made with other flags or another model)" in capsys.readouterr().out
     monkeypatch.chdir(tmp_path)

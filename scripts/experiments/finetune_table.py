@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                     results_file = run_dir / "finetune_results.json"
                     made_by = run_dir / COMMAND_FILE  # the flags of the run in the folder: reused only for the same
                     flags = run_key(command)
-                    if args.dry_run:
-                        print(shlex.join(command))
-                        continue
                     same = results_file.is_file() and made_by.is_file() and made_by.read_text() == flags
+                    if args.dry_run:  # what a real run would do with each: reuse the finished one or run it
+                        print(f"[reuse] {run_dir}" if same and not args.rerun else f"[run] {shlex.join(command)}")
+                        continue
                     if same and not args.rerun:
                         print(f"[reuse] {run_dir}", flush=True)
                     else:
