@@ -86,7 +86,7 @@ def _check_head_sizes(bert_config: dict, source: str) -> None:
     default = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
     for name in _HEAD_SIZE_FIELDS:
         value = bert_config.get(name)
-        if value is not None and value != default:
+        if value and value != default:  # bert4keras reads `value or default`: 0, null, false are the default
             raise ConversionError(
                 f"{source}: {name} {value!r} differs from hidden_size / num_attention_heads ({hidden} / {heads}): "
                 "heads of another width than that are not convertible (transformers' RoFormer has no such field)"

@@ -428,10 +428,13 @@ def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float | None, out: tor
     """out (B, T, H, Dv) ← num (B, H, T, Dv) / den (B, H, T), cast to out's dtype; rows whose den is not a normal
     number (eps None) or is ≤ eps give 0."""
     ok = den >= torch.finfo(den.dtype).tiny if eps is None else den > eps
-    inverse = torch.where(ok, 1.0 / torch.where(ok, den, 1.0), 0.0).unsqueeze(-1)  # inner where: finite backward
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (num.requires_grad or inverse.requires_grad)):
-        out.copy_((num * inverse).transpose(1, 2))  # differentiable (and traceable; compilers fuse the two passes)
+    safe = torch.where(ok, den, 1.0).unsqueeze(-1)  # (B, H, T, 1) the where: a finite backward for rows giving 0
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (num.requires_grad or den.requires_grad)):
+        # num / den, not num · (1 / den): a division's backward forms (num / den) / den, finite for any normal den,
+        # where the reciprocal's −1/den² overflows float32 below den ≈ 5e-20 (a NaN gradient for a valid output)
+        out.copy_(torch.where(ok.unsqueeze(-1), num / safe, 0.0).transpose(1, 2))  # differentiable, traceable
     else:  # one pass, cast and layout included (out= is neither differentiable nor traced with strides)
+        inverse = torch.where(ok.unsqueeze(-1), 1.0 / safe, 0.0)  # (B, H, T, 1)
         torch.mul(num.transpose(1, 2), inverse.transpose(1, 2), out=out)
     return out
 

@@ -229,11 +229,15 @@ class TokenStream:
             h.update(np.ascontiguousarray(array))  # the buffer itself, read in place (no copy of a memory map)
         return h.hexdigest()[:16]
 
-    def words_digest(self) -> str:
-        """Identifies the stream's jieba word cut (its word ids), which decides whole-word masks: the same tokens
-        cut into other words (another jieba dictionary or word-cut version) give a resumed run other masks."""
+    def words_digest(self, block: int = 1 << 22) -> str:
+        """Identifies the stream's jieba word cut, which decides whole-word masks: the same tokens cut into other
+        words (another jieba dictionary or word-cut version) give a resumed run other masks. It hashes where words
+        start, not the ids (the masks depend only on the grouping; ids may skip numbers), in blocks of a memory map."""
         h = hashlib.sha256()
-        h.update(np.ascontiguousarray(self.words))
+        for i in range(0, self.num_tokens, block):
+            words = np.asarray(self.words[max(i - 1, 0) : i + block])  # one token before the block, to compare with
+            starts = words[1:] != words[:-1] if i else np.concatenate([[True], words[1:] != words[:-1]])
+            h.update(np.packbits(starts).tobytes())  # (≤ block / 8,) bit i: token i starts a word
         return h.hexdigest()[:16]
 
     @classmethod

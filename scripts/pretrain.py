@@ -250,29 +250,28 @@ class Run:
         saved = self.saved.get("data_tokens")
         if saved is None:  # a checkpoint from before `data_tokens`: the fingerprint check after loading decides
             return
+        counts = (saved["train"], saved["held_out"])
+        if counts != (train_tokens, held_out_tokens):
+            raise ValueError(
+                f"--resume: checkpoint {self.resume_tag} was made from other data ({saved['train']:,} training and "
+                f"{saved['held_out']:,} held-out tokens; this command's corpus gives {train_tokens:,} and "
+                f"{held_out_tokens:,}); resume with the same --corpus, --corpus-lines and --text-column"
+            )
+        saved_digests = self.saved.get("data_digest")  # none in a checkpoint from before 2026-12-02
+        if digests and saved_digests and saved_digests != digests:
+            raise ValueError(
+                f"--resume: checkpoint {self.resume_tag} was made from other data (as many tokens, "
+                f"{train_tokens:,} training and {held_out_tokens:,} held-out, but other ones: lines changed or "
+                "reordered); resume with the same --corpus, --corpus-lines and --text-column"
+            )
         saved_words = self.saved.get("word_digest")  # none in a checkpoint from before 2026-12-03 (evening)
         if words and saved_words and saved_words != words:
             # The same tokens cut into other jieba words (another dictionary, a new word-cut version): training
             # goes on, but its whole-word masks differ from those an uninterrupted run would have drawn.
             logger.warning(
-                "--resume: checkpoint %s was made with another jieba word cut of the corpus (other jieba words or "
-                "word-cut version): the run goes on, but its whole-word masks differ from an uninterrupted run's",
+                "--resume: checkpoint %s was made with another jieba word cut of the same tokens (other jieba words "
+                "or word-cut version): the run goes on, but its whole-word masks differ from an uninterrupted run's",
                 self.resume_tag,
-            )
-        saved_digests = self.saved.get("data_digest")  # none in a checkpoint from before 2026-12-02
-        if (saved["train"], saved["held_out"]) == (train_tokens, held_out_tokens) and digests and saved_digests:
-            if saved_digests != digests:
-                raise ValueError(
-                    f"--resume: checkpoint {self.resume_tag} was made from other data (as many tokens, "
-                    f"{train_tokens:,} training and {held_out_tokens:,} held-out, but other ones: lines changed or "
-                    "reordered); resume with the same --corpus, --corpus-lines and --text-column"
-                )
-            return
-        if (saved["train"], saved["held_out"]) != (train_tokens, held_out_tokens):
-            raise ValueError(
-                f"--resume: checkpoint {self.resume_tag} was made from other data ({saved['train']:,} training and "
-                f"{saved['held_out']:,} held-out tokens; this command's corpus gives {train_tokens:,} and "
-                f"{held_out_tokens:,}); resume with the same --corpus, --corpus-lines and --text-column"
             )
 
     def data_digest(self) -> dict:

@@ -798,12 +798,12 @@ def test_configs_bert4keras_reads_otherwise_are_refused(tmp_path, edit, message)
 
 
 def test_head_size_fields_at_their_default_are_accepted(tmp_path):
-    """`attention_key_size` / `attention_head_size` equal to hidden / heads are bert4keras' defaults spelled out."""
+    """`attention_key_size` / `attention_head_size` equal to hidden / heads, or 0, are bert4keras' defaults."""
     folder = release_folder(tmp_path, "v1")
     config = json.loads((folder / "bert_config.json").read_text())
     size = config["hidden_size"] // config["num_attention_heads"]
-    (folder / "bert_config.json").write_text(json.dumps({**config, "attention_key_size": size, "attention_head_size": size}))
-    assert convert_checkpoint(folder, tmp_path / "out").kind == "v1"
+    (folder / "bert_config.json").write_text(json.dumps({**config, "attention_key_size": size, "attention_head_size": 0}))
+    assert convert_checkpoint(folder, tmp_path / "out").kind == "v1"  # 0 (or null): bert4keras' `or` default
 
 
 def test_vocab_lines_end_at_newlines_only(tmp_path):

@@ -394,6 +394,19 @@ def test_favor_plus_a_later_key_never_underflows_an_earlier_small_denominator(ch
     step, state = la.linear_attention_step(qf[:, :, :1], kf[:, :, :1], v[:, :, :1], None, k_log_scale=k_log[:, :, :1])
     second, _ = la.linear_attention_step(qf[:, :, 1:], kf[:, :, 1:], v[:, :, 1:], state, k_log_scale=k_log[:, :, 1:])
     torch.testing.assert_close(out, torch.cat([step, second], dim=1), atol=1e-5, rtol=1e-5)
+    # training on it: finite gradients equal to float64's (query 0's output is v_0 whatever q, k: ∂/∂q, ∂/∂k ≈ 0).
+    # The normaliser's backward used to form −1/den², which overflows float32 below den ≈ 5e-20: NaN gradients.
+    grads = {}
+    for dtype in (torch.float32, F64):
+        leaves = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
+        qf_, _ = la.favor_plus_features(leaves[0], W.to(dtype))
+        kf_, k_log_ = la.favor_plus_features(leaves[1], W.to(dtype))
+        attended = la.linear_attention(qf_, kf_, leaves[2], k_log_scale=k_log_, causal=True, chunk_size=chunk_size)
+        (attended * torch.tensor([1.0, -2.0], dtype=dtype)).sum().backward()
+        grads[dtype] = [x.grad for x in leaves]
+    for got, want in zip(grads[torch.float32], grads[F64]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
     # ordinary inputs keep the one-reference-per-chunk pass: checked, and not redone
     checks = []
     underflows = la._shortcut_underflows

@@ -613,6 +613,9 @@ def test_a_resume_with_another_word_cut_warns_that_its_masks_differ(finished, ca
     recut.words[1:] = recut.words[:-1].copy()  # the first two tokens one word: same tokens, another cut
     recut.words[0] = recut.words[1]
     assert recut.digest() == streams["train"].digest() and recut.words_digest() != streams["train"].words_digest()
+    renumbered = TokenStream(streams["train"].tokens, np.array(streams["train"].words) * 3 + 7, streams["train"].line_starts)
+    assert renumbered.words_digest() == streams["train"].words_digest()  # the same grouping: the same masks
+    assert recut.words_digest(block=8) == recut.words_digest()  # read in blocks of a memory map: the same digest
     run = SimpleNamespace(saved=saved, resume_tag=latest)
     with caplog.at_level(logging.WARNING, logger="roformer_rope.pretrain"):
         Run.check_resumed_data(run, *counts, dict(saved["data_digest"]), dict(saved["word_digest"]))
@@ -622,7 +625,14 @@ def test_a_resume_with_another_word_cut_warns_that_its_masks_differ(finished, ca
                                dict(saved["data_digest"]), other)  # fmt: skip
         assert not caplog.records  # a checkpoint from before the word digest: nothing to compare
         Run.check_resumed_data(run, *counts, dict(saved["data_digest"]), other)
-    assert len(caplog.records) == 1 and "another jieba word cut" in caplog.text and latest in caplog.text
+        assert len(caplog.records) == 1 and "another jieba word cut" in caplog.text and latest in caplog.text
+        caplog.clear()
+        other_data = {"train": "0" * 16, "held_out": saved["data_digest"]["held_out"]}
+        with pytest.raises(ValueError, match="made from other data"):  # other data: refused, no word-cut warning first
+            Run.check_resumed_data(run, *counts, other_data, other)
+        with pytest.raises(ValueError, match="made from other data"):
+            Run.check_resumed_data(run, counts[0] + 1, counts[1], dict(saved["data_digest"]), other)
+        assert not caplog.records
 
 
 def test_init_from_a_bf16_folder_trains_in_the_run_precision(finished, tmp_path):
