@@ -277,3 +277,25 @@ def test_a_linear_attention_assistant_is_refused_by_name_and_its_cache_rows_can_
     layer.batch_select_indices(torch.tensor([1, 2]))
     assert all(torch.equal(got, want[[0, 1]]) for got, want in zip(layer.state, state))
     assert layer.get_seq_length() == 7
+
+
+@pytest.mark.parametrize("kind, shift_invariant", [("linear", True), ("performer", False)])
+def test_a_left_padded_row_needs_position_ids_only_under_performer(kind, shift_invariant, capsys):
+    """README: a left-padded causal row equals the same row unpadded when `position_ids` count from its first real
+    token. Without them its positions shift by the padding: eq. 19 rotates the features in the numerator only,
+    where a common shift cancels (Rᵀ_{m+s} R_{n+s} = Rᵀ_m R_n); Performer rotates q, k before the feature map,
+    whose random features are not exactly shift-invariant, so the logits move. float64 weights (the rotary angles
+stay float32, as in the original: eq. 19's shifted row is equal up to their rounding)."""
+    model = model_of(rr.RoFormerRopeForCausalLM, attention_type=kind, is_decoder=True, initializer_range=0.3).double()
+    row = torch.tensor([[5, 9, 13, 17, 21, 25]])
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)  # (1, 9): 3 pads on the left
+    mask = (padded != 0).long()
+    with torch.no_grad():
+        alone = model(row).logits[0]
+        counted = model(padded, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[0, 3:]
+        shifted = model(padded, attention_mask=mask).logits[0, 3:]  # positions 3..8 instead of 0..5
+    torch.testing.assert_close(counted, alone, atol=1e-9, rtol=0)
+    gap = (shifted - alone).abs().max().item()
+    with capsys.disabled():
+        print(f"\n{kind}: left-padded row without position_ids, max |logit difference| {gap:.1e}")
+    assert gap < 1e-5 if shift_invariant else gap > 1e-2  # eq. 19: up to the float32 rotary angles (as the original)
