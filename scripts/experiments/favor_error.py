@@ -3,7 +3,7 @@
     python scripts/experiments/favor_error.py                   # writes results/favor_error.{json,md}
     python scripts/experiments/favor_error.py --stds 0.5 --nb-features 64 1024
 
-Random queries, keys and values (entries N(0, std²), N tokens, head width D, one head), exact softmax attention
+Random queries and keys (entries N(0, std²)) and values (N(0, 1)), N tokens, head width D, one head: exact attention
 softmax(q kᵀ/√D) v in float64 against FAVOR+ (Performer's positive orthogonal random features, Lemma 1:
 φ(x) = exp(W x' − |x'|²/2) / √M with x' = x · D^-1/4) through the model's own kernels
 (`favor_plus_features`, `linear_attention`, float32): the relative error ‖out − exact‖ / ‖exact‖ of the whole
@@ -39,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def relative_error(std: float, nb_features: int, tokens: int, dim: int, seed: int) -> float:
-    """‖FAVOR+ attention − softmax attention‖ / ‖softmax attention‖ on one draw of q, k, v (fixed by `std`'s
-    data seed 0) and one projection (`seed`)."""
+    """‖FAVOR+ attention − softmax attention‖ / ‖softmax attention‖ on one draw of q, k, v (data seed 0, the same
+    for every call) and one random projection (`seed`)."""
     from modeling_roformer_rope import linear_attention_roformer_rope as la
 
     data = torch.Generator().manual_seed(0)
