@@ -22,7 +22,9 @@ WoBERT-style vocabulary built from the task's training text.
 Training: dev is scored every 10% of the run (`--eval_steps 0.1`); early stopping after
 `--early_stopping_patience` evaluations without improvement, counted from half the planned steps
 (`--early_stopping_start 0.5`: models trained from scratch often sit on the majority class for a while
-first); the best dev checkpoint is restored, then dev and test are scored. The output folder holds
+first); the best dev checkpoint is restored, then dev and test are scored. Checkpoints follow the dev
+evaluations unless --save_strategy/--save_steps are given (`--eval_strategy epoch` alone is enough);
+`--eval_strategy no` restores nothing and saves no checkpoint. The output folder holds
 the fine-tuned model, tokenizer and code (`AutoModelFor...from_pretrained(out, trust_remote_code=True)`,
 `pipeline("text-classification")` / `pipeline("token-classification", aggregation_strategy="simple")`
 work on it; checked in a fresh process before the folder is put in place) and
@@ -128,11 +130,15 @@ class FinetuneTrainingArguments(TrainingArguments):
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
     eval_strategy: str = field(default="steps", metadata={"help": "when to score dev: steps / epoch / no"})
     eval_steps: float | None = field(default=0.1, metadata={"help": "dev every N steps, or a fraction of the run if < 1"})
-    save_strategy: str = field(default="steps", metadata={"help": "checkpoint with each dev evaluation"})
-    save_steps: float = field(default=0.1, metadata={"help": "as --eval_steps"})
+    save_strategy: str | None = field(
+        default=None, metadata={"help": "default: --eval_strategy's when the best dev checkpoint is restored, else no"}
+    )
+    save_steps: float | None = field(default=None, metadata={"help": "default: --eval_steps"})
     save_total_limit: int | None = field(default=1, metadata={"help": "checkpoints kept (best + last)"})
     save_only_model: bool = field(default=True, metadata={"help": "checkpoints without optimizer state"})
-    load_best_model_at_end: bool = field(default=True, metadata={"help": "restore the best dev checkpoint"})
+    load_best_model_at_end: bool | None = field(
+        default=None, metadata={"help": "restore the best dev checkpoint (default: True unless --eval_strategy no)"}
+    )
     logging_steps: float = field(default=0.02, metadata={"help": "log every N steps, or a fraction of the run if < 1"})
     report_to: None | str | list[str] = field(default="none", metadata={"help": "experiment trackers"})
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
@@ -154,6 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if f.init and not f.name.startswith("_") and f.name not in HIDDEN_FIELDS:
                 f.type = hints[f.name]
                 HfArgumentParser._parse_dataclass_field(group, f)
+                if f.type == bool | None:  # a bare `--flag` means True, as for the plain bool fields
+                    action = next(a for a in group._group_actions if a.dest == f.name)
+                    action.nargs, action.const = "?", True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +200,27 @@ def _prepare_deepspeed(namespace: argparse.Namespace) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def _checkpoints_follow_dev(namespace: argparse.Namespace) -> None:
+    """Checkpoints exist to restore the best dev one, so by default they are saved with each dev evaluation:
+    `--eval_strategy epoch` or `--eval_steps 50` alone is enough (TrainingArguments would refuse save flags
+    that no longer match). `--eval_strategy no` turns off restoring and saving; asking to restore then is an error."""
+    values = vars(namespace)
+    eval_strategy = str(values.get("eval_strategy") or "steps")
+    evaluating = eval_strategy != "no"
+    if values.get("load_best_model_at_end") is None:
+        namespace.load_best_model_at_end = evaluating
+    elif namespace.load_best_model_at_end and not evaluating:
+        raise ValueError(
+            "--load_best_model_at_end True restores the best dev checkpoint, but --eval_strategy no scores dev never; "
+            "drop one of them"
+        )
+    if values.get("save_strategy") is None:
+        namespace.save_strategy = eval_strategy if namespace.load_best_model_at_end else "no"
+    if values.get("save_steps") is None:
+        eval_steps = values.get("eval_steps")
+        namespace.save_steps = eval_steps if eval_steps is not None else values.get("logging_steps", 500)
+
+
 def arguments_from_namespace(
     namespace: argparse.Namespace,
 ) -> tuple[str, ModelArguments, DataArguments, FinetuneTrainingArguments]:
@@ -198,6 +228,7 @@ def arguments_from_namespace(
     if getattr(namespace, "metric_for_best_model", None) is None:
         namespace.metric_for_best_model = task.metric  # TrainingArguments would pick the dev loss
     _prepare_deepspeed(namespace)
+    _checkpoints_follow_dev(namespace)
     values = vars(namespace)
     built = []
     for dtype in ARGUMENT_CLASSES:
@@ -622,7 +653,7 @@ def finetune(task_name: str, model_args: ModelArguments, data_args: DataArgument
         collator = (DataCollatorForTokenClassification if task.kind == "token" else DataCollatorWithPadding)(tokenizer)
         callbacks: list[TrainerCallback] = []
         evaluating = training_args.eval_strategy != "no"
-        if evaluating and data_args.early_stopping_patience > 0 and training_args.load_best_model_at_end:
+        if evaluating and data_args.early_stopping_patience > 0:  # without restoring the best: stops, keeps the last
             callbacks.append(EarlyStopping(data_args.early_stopping_patience, data_args.early_stopping_start))
         if data_args.max_train_seconds:
             callbacks.append(TimeBudget(data_args.max_train_seconds))
@@ -748,9 +779,7 @@ def quick_sentiment(model_dir: str | Path, out_dir: str | Path, max_seconds: flo
         "--max_eval_samples", "500",
         "--num_train_epochs", "1",
         "--learning_rate", "5e-4",
-        "--eval_strategy", "no",
-        "--save_strategy", "no",
-        "--load_best_model_at_end", "False",
+        "--eval_strategy", "no",  # no dev scores, so no checkpoints and no best one to restore
         "--max_train_seconds", str(max_seconds),
         "--show_examples", "4",
         "--disable_tqdm", "True",

@@ -306,7 +306,7 @@ def test_long_real_split_no_overlap():
 TINY = [
     "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--intermediate_size", "64",
     "--vocab_words", "300", "--max_steps", "3", "--per_device_train_batch_size", "8", "--eval_steps", "2",
-    "--save_steps", "2", "--learning_rate", "1e-3", "--disable_tqdm", "True", "--cache_dir", "", "--max_length", "32",
+    "--learning_rate", "1e-3", "--disable_tqdm", "True", "--cache_dir", "", "--max_length", "32",
 ]  # fmt: skip
 
 
@@ -464,6 +464,44 @@ def test_early_stopping_waits_for_the_start_fraction():
     assert control.should_training_stop  # two evaluations without improvement after the start
 
 
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        ([], ("steps", 0.1, "steps", 0.1, True)),  # checkpoints with each dev score, the best restored
+        (["--eval_strategy", "epoch"], ("epoch", 0.1, "epoch", 0.1, True)),  # was refused: save stayed "steps"
+        (["--eval_steps", "50"], ("steps", 50, "steps", 50, True)),  # was refused: 0.1 is no multiple of 50
+        (["--eval_strategy", "no"], ("no", 0.1, "no", 0.1, False)),  # was refused: nothing to restore
+        (["--load_best_model_at_end", "False"], ("steps", 0.1, "no", 0.1, False)),  # no checkpoint is needed
+        (["--load_best_model_at_end"], ("steps", 0.1, "steps", 0.1, True)),  # a bare flag is True
+        (["--eval_steps", "10", "--save_steps", "20"], ("steps", 10, "steps", 20, True)),  # given: kept
+    ],
+)
+def test_checkpoints_follow_the_dev_evaluations(tmp_path, flags, want):
+    _, _, _, args = finetune.parse(["sentiment", "--output_dir", str(tmp_path / "o"), *flags])
+    got = (args.eval_strategy.value, args.eval_steps, args.save_strategy.value, args.save_steps, args.load_best_model_at_end)
+    assert got == want
+
+
+def test_early_stopping_also_stops_a_run_that_keeps_its_last_weights(tmp_path, monkeypatch):
+    """`--load_best_model_at_end False` used to drop early stopping silently; as with the Trainer's own callback,
+    the run now stops (and keeps its last weights). At learning rate 0 dev never improves: patience 1 from the
+    start stops it at the second evaluation. An `--eval_strategy epoch` run without save flags trains."""
+    monkeypatch.setattr(task_sentiment, "TASK", small(task_sentiment.TASK, 48))
+    base = ["sentiment", *TINY, "--verify_reload", "False", "--show_examples", "0"]
+    stopped = finetune.finetune(*finetune.parse([
+        *base, "--output_dir", str(tmp_path / "a"), "--max_steps", "12", "--eval_steps", "1", "--learning_rate", "0",
+        "--load_best_model_at_end", "False", "--early_stopping_patience", "1", "--early_stopping_start", "0",
+    ]))  # fmt: skip
+    steps = [r["step"] for r in stopped["log_history"] if "eval_accuracy" in r]
+    assert steps == [1, 2], stopped["log_history"]
+    by_epoch = finetune.finetune(*finetune.parse([
+        *base, "--output_dir", str(tmp_path / "b"), "--max_steps", "-1", "--num_train_epochs", "2",
+        "--eval_strategy", "epoch",
+    ]))  # fmt: skip
+    assert [r["epoch"] for r in by_epoch["log_history"] if "eval_accuracy" in r] == [1.0, 2.0]
+    assert 0.0 <= by_epoch["test"]["accuracy"] <= 1.0
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input: one clear line, exit status 2
 # ---------------------------------------------------------------------------------------------
@@ -551,7 +589,9 @@ def test_output_and_flag_problems(tmp_path, capsys):
                            (["--max_train_seconds", "0"], "--max_train_seconds must be > 0 (omit it for no limit), got 0"),
                            (["--early_stopping_patience", "-1"], "--early_stopping_patience must be >= 0 (0 = off), got -1"),
                            (["--early_stopping_start", "1.5"], "--early_stopping_start must be a fraction of the run in [0, 1]"),
-                           (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps")):  # fmt: skip
+                           (["--resume_from_checkpoint", "x"], "--resume_from_checkpoint: a fine-tune keeps"),
+                           (["--eval_strategy", "no", "--load_best_model_at_end", "True"],
+                            "--load_best_model_at_end True restores the best dev checkpoint, but --eval_strategy no")):  # fmt: skip
         code, err = run_main(["sentiment", *flags, "--output_dir", str(tmp_path / "new"), *TINY], capsys)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
     for steps in (["--max_steps", "0"], ["--max_steps", "-1", "--num_train_epochs", "0"]):  # after TINY's --max_steps
